@@ -1,0 +1,1 @@
+"""The ``quire`` command line."""

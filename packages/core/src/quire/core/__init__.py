@@ -1,0 +1,32 @@
+"""Quire's engine core: scheduler, paged KV cache, model runner and engine clients.
+
+Names are exported lazily, so ``import quire.core`` loads neither torch nor transformers.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "SamplingParams": "quire.core.sampling_params",
+    "RequestOutputKind": "quire.core.sampling_params",
+    "RequestOutput": "quire.core.outputs",
+    "CompletionOutput": "quire.core.outputs",
+    "EngineArgs": "quire.core.engine_args",
+    "LLMEngine": "quire.core.engine.llm_engine",
+    "EngineClient": "quire.core.engine.protocol",
+    "QuireError": "quire.core.errors",
+    "ValidationError": "quire.core.errors",
+    "NotFoundError": "quire.core.errors",
+    "OverloadedError": "quire.core.errors",
+    "EngineDeadError": "quire.core.errors",
+    "EngineGenerateError": "quire.core.errors",
+    "ConfigError": "quire.core.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'quire.core' has no attribute {name!r}")

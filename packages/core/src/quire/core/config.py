@@ -1,0 +1,211 @@
+"""Frozen engine configuration, split by consumer and built once at the edge.
+
+``ModelConfig.from_hf`` normalises a Hugging Face checkpoint's ``config.json`` (transformers 4.x and 5.x
+layouts) so model code never reads raw HF configs. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from quire.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                  "fp16": "float16"}
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (``rope_type`` is one of default, linear, llama3)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs to know about a checkpoint, in one normalised shape."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    max_model_len: int
+    dtype: str
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, path: str | Path, dtype: str = "auto",
+                max_model_len: int | None = None) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` if present) from a checkpoint folder."""
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"no config.json in model folder {str(folder)!r}")
+        hf = json.loads(config_file.read_text())
+        generation = _read_json(folder / "generation_config.json")
+        architecture = _architecture(hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        if hf.get("mlp_bias"):
+            raise ConfigError("checkpoints with mlp_bias are not supported")
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        max_positions = int(hf.get("max_position_embeddings", 2048))
+        return cls(
+            path=str(folder),
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=_rope_config(hf),
+            max_position_embeddings=max_positions,
+            max_model_len=_max_model_len(hf, max_positions, max_model_len),
+            dtype=_resolve_dtype(dtype, hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            o_proj_bias=architecture != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes across all layers."""
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        return per_layer * self.num_hidden_layers
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    architectures = hf.get("architectures") or []
+    if architectures:
+        return architectures[0]
+    model_type = hf.get("model_type", "")
+    if model_type in _ARCH_BY_MODEL_TYPE:
+        return _ARCH_BY_MODEL_TYPE[model_type]
+    raise ConfigError(f"config.json names no architecture and model_type {model_type!r} is unknown")
+
+
+def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+    # transformers 5.x: one `rope_parameters` dict holding rope_theta; 4.x: `rope_theta` at the top
+    # level and an optional `rope_scaling` dict (whose type key was once called "type").
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    defaults = RopeConfig()
+    return RopeConfig(
+        theta=float(params.get("rope_theta", defaults.theta)),
+        rope_type=rope_type,
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+        ),
+    )
+
+
+def _max_model_len(hf: dict[str, Any], max_positions: int, requested: int | None) -> int:
+    limit = max_positions
+    window = hf.get("sliding_window")
+    if window and (hf.get("use_sliding_window", True)) and window < limit:
+        # Sliding-window attention is not implemented: cap the context so the window never slides.
+        logger.warning("sliding-window attention is not supported; capping max_model_len at %d", window)
+        limit = int(window)
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ConfigError(f"max_model_len must be at least 1, got {requested}")
+    if requested > limit:
+        raise ConfigError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+    return requested
+
+
+def _resolve_dtype(requested: str, hf: dict[str, Any]) -> str:
+    name = _DTYPE_ALIASES.get(requested, requested)
+    if name == "auto":
+        checkpoint = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        checkpoint = _DTYPE_ALIASES.get(checkpoint, checkpoint)
+        # float16 matrix work is slow on CPUs; bfloat16 has the same size and a wider range.
+        name = "bfloat16" if checkpoint == "float16" else checkpoint
+    if name not in DTYPE_SIZES:
+        raise ConfigError(f"dtype must be one of auto, {', '.join(DTYPE_SIZES)}; got {requested!r}")
+    return name
+
+
+def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """KV cache shape and budget. ``kv_cache_memory`` is in bytes; None picks a default."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine core needs, built once by ``EngineArgs.create_engine_config``."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    tokenizer: str
+    seed: int = 0
+    device: str = "cpu"

@@ -1,0 +1,1 @@
+"""The engine core, its clients, and the front-end processing around them."""

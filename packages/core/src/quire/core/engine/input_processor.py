@@ -1,0 +1,99 @@
+"""Validate and tokenize a prompt into an ``EngineCoreRequest``. Errors here are the caller's (HTTP 400)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+import msgspec
+
+from quire.core.config import ModelConfig
+from quire.core.errors import ValidationError
+from quire.core.sampling_params import SamplingParams
+from quire.core.wire import EngineCoreRequest
+
+# A prompt is text, token ids, or a dict with "prompt" (text) or "prompt_token_ids".
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class InputProcessor:
+    """Checks prompts and sampling parameters against the model's limits."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer, max_model_len: int | None = None):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or model_config.max_model_len
+        eos_ids = set(model_config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos_ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Return the engine request and the prompt text (None when the prompt was token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("sampling_params must be a SamplingParams", param="sampling_params")
+        if params.n != 1:
+            raise ValidationError("n > 1 is not supported yet", param="n")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        self._validate_params(params)
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=self.max_model_len - len(prompt_ids))
+            if params.min_tokens > params.max_tokens:
+                raise ValidationError(
+                    f"min_tokens ({params.min_tokens}) exceeds the {params.max_tokens} tokens left in the "
+                    f"context", param="min_tokens")
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        return request, prompt_text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValidationError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValidationError("prompt must not be empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return None, list(prompt)
+        raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValidationError("prompt must not be empty", param="prompt")
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValidationError(f"token id {bad} is out of vocabulary (0..{vocab_size - 1})",
+                                  param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValidationError(
+                f"the prompt has {len(prompt_ids)} tokens; with at least one generated token that is "
+                f"longer than the maximum model length of {self.max_model_len}", param="prompt")
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValidationError(f"stop token id {bad} is out of vocabulary (0..{vocab_size - 1})",
+                                  param="stop_token_ids")

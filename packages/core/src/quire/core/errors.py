@@ -1,0 +1,34 @@
+"""The one typed error hierarchy of Quire; front ends map these classes to HTTP statuses in one place."""
+
+
+class QuireError(Exception):
+    """Base class of every error Quire raises on purpose."""
+
+
+class ValidationError(QuireError, ValueError):
+    """The caller's input is invalid (HTTP 400). ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class NotFoundError(QuireError):
+    """A named thing (model, request) does not exist (HTTP 404)."""
+
+
+class OverloadedError(QuireError):
+    """The engine cannot accept more work now; the caller may retry later (HTTP 503)."""
+
+
+class EngineDeadError(QuireError):
+    """The engine core stopped and cannot serve any request (HTTP 500/503)."""
+
+
+class EngineGenerateError(QuireError):
+    """One request failed inside the engine; the engine itself is still healthy (HTTP 500)."""
+
+
+class ConfigError(QuireError, ValueError):
+    """The engine was configured with values it cannot run with (bad checkpoint, too little KV memory)."""

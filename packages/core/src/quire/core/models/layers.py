@@ -1,0 +1,66 @@
+"""Building blocks shared by the model implementations; the arithmetic lives in ``quire.kernels``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quire.core.config import RopeConfig
+from quire.kernels.norm import fused_add_rms_norm, rms_norm
+from quire.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with uninitialised parameters (they are always loaded from a checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab_size, hidden_size]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; given a residual it adds it first and also returns the sum (the new residual)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 cos/sin table for every position up to ``max_positions``."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(
+            head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
+            rope.high_freq_factor, rope.original_max_position_embeddings,
+        )
+        self.register_buffer("cos_sin", rope_cos_sin(inv_freq, max_positions), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        return apply_rotary(positions, query, key, self.cos_sin)

@@ -1,0 +1,170 @@
+"""The Llama decoder, which also serves Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints.
+
+Module names mirror the Hugging Face checkpoints, except that q/k/v projections are fused into
+``qkv_proj`` and gate/up into ``gate_up_proj`` (``load_weights`` stacks them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quire.core.attention.metadata import AttentionMetadata
+from quire.core.config import ModelConfig
+from quire.core.errors import ConfigError
+from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from quire.kernels.activation import silu_and_mul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary(positions, query, key)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, backend, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, metadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, backend, dtype)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` float32 logits."""
+
+    def __init__(self, config: ModelConfig, backend):
+        super().__init__()
+        dtype = getattr(torch, config.dtype)
+        self.config = config
+        self.model = LlamaModel(config, backend, dtype)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the (fused) parameters; fail if any parameter is left unset."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        expected = self._expected_shards(params)
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, offset = self._target(name)
+            if target not in params:
+                raise ConfigError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            rows = tensor.shape[0]
+            if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
+                raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"which does not fit {target} {tuple(param.shape)}")
+            param.data[offset:offset + rows].copy_(tensor)
+            filled.add(f"{target}@{offset}")
+        missing = sorted(expected - filled)
+        if missing:
+            raise ConfigError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _target(self, name: str) -> tuple[str, int]:
+        config = self.config
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        stacked = {
+            ".q_proj.": (".qkv_proj.", 0),
+            ".k_proj.": (".qkv_proj.", q_size),
+            ".v_proj.": (".qkv_proj.", q_size + kv_size),
+            ".gate_proj.": (".gate_up_proj.", 0),
+            ".up_proj.": (".gate_up_proj.", config.intermediate_size),
+        }
+        for part, (fused, offset) in stacked.items():
+            if part in name:
+                return name.replace(part, fused), offset
+        return name, 0
+
+    def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[str]:
+        config = self.config
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected |= {f"{name}@0", f"{name}@{q_size}", f"{name}@{q_size + kv_size}"}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}@0", f"{name}@{config.intermediate_size}"}
+            else:
+                expected.add(f"{name}@0")
+        return expected

@@ -1,0 +1,1 @@
+"""Scheduling and KV-block bookkeeping. Pure Python: nothing under this package imports torch."""

@@ -1,0 +1,55 @@
+"""The two plain-data seams between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from quire.core.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (or is seeing again after a preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, plus already generated tokens for a resumed request
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    """A request the runner already holds: its new blocks and where its computation stands."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What to compute in one step: ``num_scheduled_tokens[request_id]`` tokens per request."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    # Requests that finished or were preempted since the previous step: the runner drops their state.
+    finished_request_ids: set[str]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, for the requests whose scheduled tokens reached their end."""
+
+    sampled_token_ids: dict[str, list[int]]

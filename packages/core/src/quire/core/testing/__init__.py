@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny, deterministic checkpoints built locally (nothing downloaded)."""

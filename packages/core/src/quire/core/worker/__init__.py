@@ -1,0 +1,1 @@
+"""Model execution: the persistent input batch, input preparation, sampling and KV memory."""

@@ -1,0 +1,85 @@
+"""Rotary position embedding (the rotate-half layout used by Llama, Mistral and Qwen).
+
+``rope_inv_freq`` computes the inverse frequencies, including the scaled variants; ``rope_cos_sin``
+turns them into a float32 table indexed by position; ``apply_rotary`` rotates queries and keys in place
+of their dtype.
+"""
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in float32 for the given rope scaling."""
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        return _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor,
+                             original_max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_scale(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    # Llama 3.1 scaling: wavelengths longer than the original context / low_freq_factor are slowed
+    # by `factor`, those shorter than context / high_freq_factor are kept, and the band in between
+    # is interpolated linearly in 1 / wavelength.
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """A float32 table ``[max_positions, head_dim]``: cos of each frequency, then sin of each."""
+    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query [T, Hq, D]`` and ``key [T, Hk, D]`` by their token positions ``[T]``.
+
+    The table is float32; it is cast to the activations' dtype before use, as Hugging Face does.
+    """
+    half = cos_sin.shape[-1] // 2
+    table = cos_sin.index_select(0, positions).to(query.dtype)
+    cos = table[:, None, :half]
+    sin = table[:, None, half:]
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,138 @@
+"""The ``LLM`` class: generate for a list of prompts (or chat conversations) in one call."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from tqdm.auto import tqdm
+
+from quire.core.chat import Conversation
+from quire.core.engine.input_processor import PromptType
+from quire.core.engine.llm_engine import LLMEngine
+from quire.core.engine_args import EngineArgs
+from quire.core.errors import ValidationError
+from quire.core.outputs import RequestOutput
+from quire.core.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """A model loaded for batch generation.
+
+    >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
+    >>> outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        seed: int = 0,
+    ):
+        args = EngineArgs(
+            model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory, block_size=block_size, seed=seed,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or a prompt dict); outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of messages) or to each of several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.llm_engine.render_chat(conversation, chat_template, add_generation_prompt)
+            for conversation in conversations
+        ]
+        return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def _params_list(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * num_prompts
+        elif len(sampling_params) != num_prompts:
+            raise ValidationError(
+                f"got {len(sampling_params)} sampling_params for {num_prompts} prompts",
+                param="sampling_params")
+        # Offline callers want only the finished result.
+        return [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                for p in sampling_params]
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        try:
+            for request_id, prompt, request_params in zip(request_ids, prompts, params):
+                engine.add_request(request_id, prompt, request_params)
+            finished = self._run_engine(len(prompts), use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [finished[request_id] for request_id in request_ids]
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm,
+                        dynamic_ncols=True)
+        start = time.perf_counter()
+        num_prompt_tokens = num_output_tokens = 0
+        with progress:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_prompt_tokens += len(output.prompt_token_ids)
+                    num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    progress.set_postfix_str(
+                        f"input {num_prompt_tokens / elapsed:.1f} tok/s, "
+                        f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
+                    progress.update(1)
+        return finished
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    ):
+        return [list(prompts)]  # one prompt of token ids
+    return list(prompts)

@@ -1,0 +1,73 @@
+import math
+
+import pytest
+import torch
+
+from quire.kernels.attention import paged_attention
+from quire.kernels.kv_cache import write_kv_cache
+
+
+def dense_causal_attention(q, k, v, scale):
+    """Reference: q [Lq, Hq, D] at the last Lq positions of k/v [Lk, Hk, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).float()
+    v = v.repeat_interleave(groups, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    offset = k.shape[0] - q.shape[0]
+    allowed = torch.arange(k.shape[0])[None, :] <= (torch.arange(q.shape[0])[:, None] + offset)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def write_requests(seqs, num_blocks, block_size, num_kv_heads, head_dim, dtype, generator):
+    """Scatter each request's keys/values over random, non-contiguous blocks of a fresh cache."""
+    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    free = torch.randperm(num_blocks - 1, generator=generator) + 1
+    tables, keys, values, used = [], [], [], 0
+    for seq_len in seqs:
+        n = math.ceil(seq_len / block_size)
+        blocks = free[used:used + n]
+        used += n
+        tables.append(blocks)
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        positions = torch.arange(seq_len)
+        slots = blocks[positions // block_size] * block_size + positions % block_size
+        write_kv_cache(k, v, kv[0], kv[1], slots)
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    return kv, table, keys, values
+
+
+def test_write_kv_cache_places_tokens_by_slot():
+    kv = torch.zeros(2, 4, 2, 1, 3)
+    key = torch.arange(9.0).view(3, 1, 3)
+    write_kv_cache(key, -key, kv[0], kv[1], torch.tensor([7, 2, 3]))
+    assert torch.equal(kv[0, 3, 1, 0], key[0, 0])  # slot 7 = block 3, offset 1
+    assert torch.equal(kv[0, 1, 0, 0], key[1, 0])
+    assert torch.equal(kv[1, 1, 1, 0], -key[2, 0])
+    assert kv[0, 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_paged_attention_mixed_batch_matches_dense(dtype, tol, num_heads, num_kv_heads):
+    """Decodes, a whole prompt, and prompt chunks over a cached prefix, in one flat batch."""
+    g = torch.Generator().manual_seed(0)
+    head_dim, block_size = 16, 4
+    seq_lens = [1, 9, 23, 40, 17, 5]
+    query_lens = [1, 1, 23, 7, 1, 3]  # 23: whole prompt; 7 and 3: chunks after a cached prefix
+    kv, table, keys, values = write_requests(seq_lens, 64, block_size, num_kv_heads, head_dim, dtype, g)
+    queries = [torch.randn(n, num_heads, head_dim, generator=g).to(dtype) for n in query_lens]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    scale = head_dim**-0.5
+    out = paged_attention(torch.cat(queries), kv[0], kv[1], table, seq_lens, starts, scale)
+    for i, q in enumerate(queries):
+        expected = dense_causal_attention(q, keys[i], values[i], scale)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)
