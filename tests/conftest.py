@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny checkpoints built locally with fixed seeds (nothing is downloaded).
+
+This file imports no torch at module level: the scheduler tests re-run in a torch-free interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128}
+
+
+def checkpoint_specs():
+    from quire.core.testing.checkpoints import TinyModelSpec
+
+    # Seeds chosen so float32 greedy margins over the test prompts stay clear (asserted in tests).
+    return {
+        "llama": TinyModelSpec(model_type="llama", rope_scaling=LLAMA3_ROPE, logit_std=6, seed=0),
+        "qwen2": TinyModelSpec(model_type="qwen2", logit_std=6, seed=1),
+        "qwen3": TinyModelSpec(model_type="qwen3", tie_word_embeddings=True, init_std=0.3, head_dim=32,
+                               logit_std=6, seed=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from quire.core.testing.checkpoints import build_tokenizer
+
+    return build_tokenizer(2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
+    """``tiny_checkpoint(arch)`` → folder of a tiny float32 checkpoint (built once per session)."""
+    from quire.core.testing.checkpoints import build_checkpoint
+
+    specs = checkpoint_specs()
+    built = {}
+
+    def get(arch: str = "llama"):
+        if arch not in built:
+            folder = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            built[arch] = build_checkpoint(folder, specs[arch], tiny_tokenizer)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def corpus_token_ids(tiny_tokenizer):
+    """A long run of token ids of ordinary Python source, for prompts."""
+    from quire.core.testing.checkpoints import corpus_text
+
+    return tiny_tokenizer.encode(corpus_text()[5000:60000])
