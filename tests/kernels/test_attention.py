@@ -71,3 +71,14 @@ def test_paged_attention_mixed_batch_matches_dense(dtype, tol, num_heads, num_kv
     for i, q in enumerate(queries):
         expected = dense_causal_attention(q, keys[i], values[i], scale)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)
+
+
+def test_many_decodes_of_different_lengths_grouped_by_length():
+    g = torch.Generator().manual_seed(5)
+    seq_lens = [int(n) for n in torch.randint(1, 90, (45,), generator=g)]
+    kv, table, keys, values = write_requests(seq_lens, 700, 8, 2, 16, torch.float32, g)
+    query = torch.randn(len(seq_lens), 4, 16, generator=g)
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(len(seq_lens) + 1)), 0.25)
+    for i in range(len(seq_lens)):
+        expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.25)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)

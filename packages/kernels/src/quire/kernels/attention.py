@@ -9,6 +9,9 @@ request sits at position ``seq_len - query_len + j`` and attends causally to eve
 import torch
 import torch.nn.functional as F
 
+_MAX_DECODE_GROUPS = 4
+_MIN_DECODE_GROUP = 16
+
 
 def paged_attention(
     query: torch.Tensor,
@@ -28,13 +31,16 @@ def paged_attention(
     """
     output = torch.empty_like(query)
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
-    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, dtype=torch.int64)
-        token_rows = torch.tensor([query_start_loc[i] for i in decode_rows], dtype=torch.int64)
+    decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=seq_lens.__getitem__)
+    # Decodes run together, padded to the longest context; requests of similar length are grouped
+    # so that short ones do not pay for copying the long ones' padding.
+    num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
+    for group in _split(decode_rows, num_groups):
+        rows = torch.tensor(group, dtype=torch.int64)
+        token_rows = torch.tensor([query_start_loc[i] for i in group], dtype=torch.int64)
         output[token_rows] = _decode(
             query[token_rows], key_cache, value_cache, block_tables[rows],
-            [seq_lens[i] for i in decode_rows], scale,
+            [seq_lens[i] for i in group], scale,
         )
     for i, query_len in enumerate(query_lens):
         if query_len > 1:
@@ -45,10 +51,16 @@ def paged_attention(
     return output
 
 
+def _split(items: list[int], num_groups: int) -> list[list[int]]:
+    size = -(-len(items) // num_groups) if items else 1
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    # [..., num_blocks_used] block ids -> [..., num_tokens, H, D]
-    blocks = cache[block_ids]
-    flat = blocks.reshape(*block_ids.shape[:-1], -1, *cache.shape[-2:])
+    # [..., num_blocks_used] block ids -> [..., num_tokens, H, D]. index_select over whole blocks
+    # flattened to rows is several times faster on the CPU than advanced indexing.
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    flat = rows.view(*block_ids.shape[:-1], -1, *cache.shape[-2:])
     return flat[..., :num_tokens, :, :]
 
 

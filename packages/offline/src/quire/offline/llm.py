@@ -135,4 +135,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         isinstance(t, int) and not isinstance(t, bool) for t in prompts
     ):
         return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, (list, tuple)):
+        raise ValidationError("prompts must be a prompt (text, token ids or a prompt dict) or a list "
+                              "of prompts", param="prompts")
     return list(prompts)

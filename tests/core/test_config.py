@@ -1,0 +1,74 @@
+import json
+
+import pytest
+
+from quire.core.config import ModelConfig
+from quire.core.errors import ConfigError
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "eos_token_id": [5, 6],
+}
+
+
+def write(tmp_path, **fields):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **fields}))
+    return tmp_path
+
+
+def test_transformers_4_layout(tmp_path):
+    folder = write(tmp_path, rope_theta=500000.0, torch_dtype="bfloat16",
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    config = ModelConfig.from_hf(folder)
+    assert config.rope.theta == 500000.0 and config.rope.rope_type == "llama3"
+    assert config.rope.factor == 8.0 and config.dtype == "bfloat16"
+    assert config.head_dim == 16 and config.eos_token_ids == (5, 6)
+
+
+def test_transformers_5_layout(tmp_path):
+    folder = write(tmp_path, dtype="float32",
+                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1234.0})
+    config = ModelConfig.from_hf(folder)
+    assert (config.rope.theta, config.rope.rope_type, config.rope.factor) == (1234.0, "linear", 2.0)
+    assert config.dtype == "float32"
+
+
+def test_old_rope_scaling_type_key_and_generation_config_eos(tmp_path):
+    folder = write(tmp_path, rope_theta=10.0, rope_scaling={"type": "linear", "factor": 3.0})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    config = ModelConfig.from_hf(folder)
+    assert config.rope.rope_type == "linear" and config.eos_token_ids == (9,)
+
+
+def test_architecture_specifics(tmp_path):
+    qwen2 = ModelConfig.from_hf(write(tmp_path, architectures=["Qwen2ForCausalLM"]))
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_hf(write(tmp_path, architectures=["Qwen3ForCausalLM"], head_dim=32))
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
+    llama = ModelConfig.from_hf(write(tmp_path, attention_bias=True))
+    assert llama.qkv_bias and llama.o_proj_bias
+
+
+def test_dtype_and_max_model_len_choices(tmp_path):
+    folder = write(tmp_path, torch_dtype="float16")
+    assert ModelConfig.from_hf(folder).dtype == "bfloat16"  # fp16 checkpoints run in bf16 on CPU
+    assert ModelConfig.from_hf(folder, dtype="fp32").dtype == "float32"
+    assert ModelConfig.from_hf(folder, max_model_len=100).max_model_len == 100
+    with pytest.raises(ConfigError, match="dtype"):
+        ModelConfig.from_hf(folder, dtype="int8")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        ModelConfig.from_hf(folder, max_model_len=513)
+
+
+def test_mistral_sliding_window_caps_the_context(tmp_path):
+    folder = write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=256)
+    assert ModelConfig.from_hf(folder).max_model_len == 256
+
+
+def test_clear_errors_for_unusable_checkpoints(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_hf(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="hidden_act"):
+        ModelConfig.from_hf(write(tmp_path, hidden_act="gelu"))

@@ -1,0 +1,75 @@
+"""Incremental detokenization against a full decode, over multi-byte and combining characters."""
+
+import pytest
+
+from quire.core.engine.detokenizer import IncrementalDetokenizer
+from quire.core.sampling_params import SamplingParams
+
+TEXT = "Café, 中文 and 😀 — e\u0301tude (e + combining acute) ok 😀😀"
+PROMPT = "print('hello')\n"
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_tokenizer):
+    ids = tiny_tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT) // 2, "expected multi-byte characters to span several tokens"
+    return ids
+
+
+def make(tokenizer, **params):
+    return IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(**params))
+
+
+def test_token_by_token_text_is_always_the_decoded_prefix_without_partial_characters(tiny_tokenizer, ids):
+    detok = make(tiny_tokenizer)
+    streamed = ""
+    for k, token_id in enumerate(ids, start=1):
+        detok.update([token_id], stop_terminated=False)
+        delta = detok.next_text(finished=False, delta=True)
+        assert "\ufffd" not in delta
+        streamed += delta
+        assert streamed == tiny_tokenizer.decode(ids[:k]).rstrip("\ufffd")
+    assert streamed == TEXT == tiny_tokenizer.decode(ids)
+
+
+def test_two_chunks_split_at_every_point_equal_the_full_decode(tiny_tokenizer, ids):
+    for split in range(1, len(ids)):
+        detok = make(tiny_tokenizer)
+        detok.update(ids[:split], stop_terminated=False)
+        first = detok.next_text(finished=False, delta=True)
+        detok.update(ids[split:], stop_terminated=False)
+        detok.finish(stop_terminated=False)
+        second = detok.next_text(finished=True, delta=True)
+        assert "\ufffd" not in first + second, f"split at {split}"
+        assert first + second == tiny_tokenizer.decode(ids), f"split at {split}"
+
+
+def test_a_sequence_cut_mid_character_ends_like_the_full_decode(tiny_tokenizer, ids):
+    cut = next(k for k in range(1, len(ids)) if tiny_tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = make(tiny_tokenizer)
+    detok.update(ids[:cut], stop_terminated=False)
+    assert "\ufffd" not in detok.next_text(finished=False, delta=False)
+    detok.finish(stop_terminated=False)
+    assert detok.next_text(finished=True, delta=False) == tiny_tokenizer.decode(ids[:cut])
+
+
+def test_partial_stop_strings_are_withheld_until_resolved(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("abc STOP here")
+    detok = make(tiny_tokenizer, stop=["STOP!"])
+    streamed = ""
+    for token_id in ids:
+        assert detok.update([token_id], stop_terminated=False) is None
+        streamed += detok.next_text(finished=False, delta=True)
+        assert not streamed.endswith(("S", "ST", "STO", "STOP"))
+    detok.finish(stop_terminated=False)
+    streamed += detok.next_text(finished=True, delta=True)
+    assert streamed == "abc STOP here"
+
+
+def test_stop_string_truncates_text_and_drops_later_tokens(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("one two three four")
+    detok = make(tiny_tokenizer, stop=["three", "two t"])
+    assert detok.update(ids, stop_terminated=False) == "two t"  # completes before "three"
+    assert detok.output_text == "one "
+    assert tiny_tokenizer.decode(detok.token_ids).find("two t") != -1
+    assert len(detok.token_ids) < len(ids)
