@@ -102,8 +102,9 @@ def test_min_tokens_masks_the_stop_token_like_transformers(llama_checkpoint, llm
     assert stop_id not in out.token_ids[:min_tokens - 1]
     if expected[-1] == stop_id:
         assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+        assert out.text == decode(llm, expected[:-1])
     else:
-        assert out.finish_reason == "length"
+        assert out.finish_reason == "length" and out.text == decode(llm, expected)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,11 @@ def hf_reference(tiny_checkpoint, prompts):
                 logprobs = torch.stack(out.scores)[:, 0].float().log_softmax(-1)
                 top2 = logprobs.topk(2, dim=-1).values
                 results.append((out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+            if dtype == "float32":
+                smallest = min(min(margins) for _, margins in results)
+                assert smallest > FLOAT32_MIN_MARGIN, (
+                    f"{arch} checkpoint not peaked enough: a greedy margin of {smallest:.2e} could flip "
+                    "on float noise; pick another seed or a larger logit_std")
             cache[arch, dtype] = results
         return cache[arch, dtype]
 
@@ -70,9 +75,6 @@ def run_quire(checkpoint, dtype, prompts, mode):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_float32_greedy_equals_transformers(tiny_checkpoint, hf_reference, prompts, arch, mode):
     reference = hf_reference(arch, "float32")
-    smallest_margin = min(min(margins) for _, margins in reference)
-    assert smallest_margin > FLOAT32_MIN_MARGIN, (
-        f"checkpoint not peaked enough: a greedy margin of {smallest_margin:.2e} could flip on noise")
     quire_ids = run_quire(tiny_checkpoint(arch), "float32", prompts, mode)
     for prompt, got, (expected, _) in zip(prompts, quire_ids, reference):
         assert got == expected, f"prompt of {len(prompt)} tokens differs"
