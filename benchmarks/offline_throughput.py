@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import bench_checkpoint
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,17 +32,6 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
     return parser.parse_args()
-
-
-def build_checkpoint(folder: Path) -> Path:
-    from quire.core.testing.checkpoints import TinyModelSpec, build_checkpoint, build_tokenizer
-
-    if (folder / "config.json").is_file():
-        return folder
-    spec = TinyModelSpec(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         init_std=0.02, logit_std=4.0, dtype="bfloat16")
-    return build_checkpoint(folder, spec, build_tokenizer(8000))
 
 
 def make_workload(args, vocab_size: int):
@@ -101,7 +92,7 @@ def run_transformers(folder: Path, requests, args) -> float:
 def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        folder = build_checkpoint(args.checkpoint or Path(scratch) / "bench-llama-7m")
+        folder = bench_checkpoint(args.checkpoint or Path(scratch) / "bench-llama-7m")
         import json
 
         vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]

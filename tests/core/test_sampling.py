@@ -3,13 +3,8 @@
 import pytest
 import torch
 
-from quire.core.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_min_p,
-    apply_top_k_top_p,
-    step_seed,
-)
+from quire.core.worker.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from quire.core.worker.sampling_metadata import step_seed
 from quire.offline import LLM, SamplingParams
 
 
@@ -33,9 +28,7 @@ def reference_top_p(logits, p):
 
 
 def metadata(batch, temperature=1.0, **fields):
-    base = dict(temperature=torch.full((batch,), temperature), top_k=None, top_p=None, min_p=None,
-                seeded_rows={}, blocked_token_ids={})
-    return SamplingMetadata(**{**base, **fields})
+    return SamplingMetadata(temperature=torch.full((batch,), temperature), **fields)
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -62,14 +55,14 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log().repeat(20000, 1)
     sampler = Sampler(torch.Generator().manual_seed(0))
-    counts = torch.bincount(sampler(logits.clone(), metadata(20000)), minlength=3).float() / 20000
+    counts = torch.bincount(sampler(logits.clone(), metadata(20000)).token_ids, minlength=3).float() / 20000
     torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)
 
 
 def test_greedy_rows_and_blocked_ids():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]])
     sampler = Sampler(torch.Generator().manual_seed(0))
-    tokens = sampler(logits.clone(), metadata(2, temperature=0.0, blocked_token_ids={1: [0]}))
+    tokens = sampler(logits.clone(), metadata(2, temperature=0.0, banned_token_ids={1: [0]})).token_ids
     assert tokens.tolist() == [1, 1]
 
 
@@ -79,6 +72,7 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     seed = step_seed(42, 7)
     alone = Sampler(torch.Generator().manual_seed(0))(logits[1:2].clone(), metadata(1, seeded_rows={0: seed}))
     batched = Sampler(torch.Generator().manual_seed(99))(logits.clone(), metadata(3, seeded_rows={1: seed}))
+    alone, batched = alone.token_ids, batched.token_ids
     assert alone.item() == batched[1].item()
 
 

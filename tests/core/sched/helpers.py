@@ -10,16 +10,19 @@ from quire.core.sched.scheduler import Scheduler
 EOS = 2
 
 
-def make_request(request_id, num_prompt_tokens, **params):
+def make_request(request_id, num_prompt_tokens=None, *, prompt=None, priority=0, arrival_time=0.0,
+                 cache_salt=None, **params):
     params.setdefault("max_tokens", 8)
-    return Request(request_id, list(range(100, 100 + num_prompt_tokens)), SamplingParams(**params),
-                   eos_token_ids=(EOS,))
+    prompt = list(range(100, 100 + num_prompt_tokens)) if prompt is None else prompt
+    return Request(request_id, prompt, SamplingParams(**params), eos_token_ids=(EOS,),
+                   arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=256):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len)
+                   max_model_len=256, enable_caching=False, **config):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             **config)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching), max_model_len)
 
 
 def fake_runner_output(scheduler, scheduler_output, token=7):

@@ -23,8 +23,8 @@ def test_allocation_that_does_not_fit_changes_nothing():
     assert manager.get_block_ids("a") == []
 
 
-def test_free_returns_blocks_tail_first():
-    manager = KVCacheManager(num_blocks=8, block_size=2)
+def test_free_returns_unhashed_blocks_to_the_front_head_first():
+    manager = KVCacheManager(num_blocks=8, block_size=2, enable_caching=False)
     request = make_request("a", 6)
     first = manager.allocate_slots(request, 6)
     manager.free(request)

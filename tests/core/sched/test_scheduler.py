@@ -52,7 +52,7 @@ def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
             victim = next(r for r in scheduler.waiting if r.status == RequestStatus.PREEMPTED)
             assert victim.request_id == "c"  # admitted last
             assert victim.num_computed_tokens == 0 and victim.num_preemptions == 1
-            assert scheduler.waiting[0] is victim
+            assert scheduler.waiting.peek() is victim
             assert "c" not in out.num_scheduled_tokens
     assert preempted_at is not None
 

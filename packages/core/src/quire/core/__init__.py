@@ -20,6 +20,8 @@ _EXPORTS = {
     "EngineDeadError": "quire.core.errors",
     "EngineGenerateError": "quire.core.errors",
     "ConfigError": "quire.core.errors",
+    "demo_model_path": "quire.core.demo",
+    "DEMO_MODEL_NAME": "quire.core.demo",
 }
 
 __all__ = sorted(_EXPORTS)

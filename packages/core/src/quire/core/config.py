@@ -189,14 +189,21 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one engine step."""
+    """Limits and policy of one engine step.
+
+    ``long_prefill_token_threshold`` (0 = off) caps the tokens one request may compute per step while
+    other requests are in flight, so a long prompt is spread over steps instead of starving decodes.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # or "priority": lower priority value first
+    long_prefill_token_threshold: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +216,4 @@ class EngineConfig:
     tokenizer: str
     seed: int = 0
     device: str = "cpu"
+    max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 
 from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from quire.core.demo import demo_model_path
 from quire.core.errors import ConfigError
 
 
 @dataclasses.dataclass
 class EngineArgs:
-    """Options as a user gives them (``LLM(...)`` keywords, later server and CLI flags)."""
+    """Options as a user gives them (``LLM(...)`` keywords, later server and CLI flags).
 
-    model: str
+    ``model`` is a local checkpoint folder; None means the embedded quire-demo model.
+    """
+
+    model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -20,21 +24,34 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
     block_size: int = 16
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    max_logprobs: int = 20
     seed: int = 0
 
     def create_engine_config(self) -> EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
                               f"{self.kv_cache_memory}")
-        model = ModelConfig.from_hf(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
+        model_path = self.model if self.model is not None else str(demo_model_path())
+        model = ModelConfig.from_hf(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens),
-            tokenizer=self.tokenizer or self.model,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      policy=self.scheduling_policy,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold),
+            tokenizer=self.tokenizer or model_path,
             seed=self.seed,
+            max_logprobs=self.max_logprobs,
         )

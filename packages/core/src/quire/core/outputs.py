@@ -6,9 +6,49 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability, its rank in the distribution (1 = most likely), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob (the chosen token plus the top-k alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Timings of one request, in ``time.monotonic()`` seconds (engine events and front-end arrivals)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)  # one per generated token
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One generated sequence. ``stop_reason`` is the stop string or stop token id that ended it,
-    or None (EOS, length, abort)."""
+    or None (EOS, length, abort). ``logprobs`` has one entry per token in ``token_ids`` when asked."""
 
     index: int
     text: str
@@ -16,7 +56,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -25,7 +65,11 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's prompt and its output(s) so far (or the new part, in delta mode)."""
+    """A request's prompt and its output(s) so far (or the new part, in delta mode).
+
+    ``prompt_logprobs`` (when asked) has one entry per prompt token, the first being None.
+    ``num_cached_tokens`` is how many prompt tokens came from the prefix cache.
+    """
 
     request_id: str
     prompt: str | None
@@ -33,3 +77,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None

@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from quire.core.sampling_params import SamplingParams
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request finished; ``str()`` gives the OpenAI spelling."""
-
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-    ERROR = 3
-
-    def __str__(self) -> str:
-        return self.name.lower()
+from quire.core.wire import EngineCoreEvent, EventType, FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,12 +48,15 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float = 0.0,
         priority: int = 0,
+        cache_salt: str | None = None,
+        bad_words_token_ids: list[list[int]] = (),
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.bad_words_token_ids = [list(ids) for ids in bad_words_token_ids]
         self.arrival_time = arrival_time
         self.priority = priority
         self.all_token_ids = list(prompt_token_ids)
@@ -72,6 +65,20 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Prefix caching: chained hashes of the full blocks so far, and the salt of the first block.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        # Prompt logprobs need logits for every prompt token, so such requests compute them all.
+        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
+        self.events: list[EngineCoreEvent] = []  # not yet reported to the front end
+
+    def record_event(self, event_type: EventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.monotonic()))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        events, self.events = self.events, []
+        return events or None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -10,6 +11,7 @@ from quire.core.errors import ValidationError
 
 # Temperatures below this are treated as greedy decoding.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -23,12 +25,28 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. Invalid values raise ``ValidationError`` naming the field.
 
-    ``top_k`` of 0 or -1 disables top-k; ``max_tokens=None`` means "until the context is full";
-    ``stop`` strings are matched on the detokenized text in the front end, ``stop_token_ids`` in the
-    engine; ``min_tokens`` suppresses EOS, stop token ids and stop strings until that many tokens exist.
+    Semantics follow vLLM:
+
+    - ``n`` completions per prompt; with a ``seed``, completion ``i`` is seeded ``seed + i``.
+    - penalties: ``repetition_penalty`` (> 0, 1 = off) scales the logits of every token seen in the
+      prompt or the output (divides positive logits, multiplies negative ones); ``frequency_penalty``
+      subtracts ``penalty * count`` and ``presence_penalty`` subtracts ``penalty`` for tokens already
+      generated (both in [-2, 2]).
+    - ``top_k`` of 0 or -1 disables top-k; ``max_tokens=None`` means "until the context is full".
+    - ``stop`` strings are matched on the detokenized text in the front end, ``stop_token_ids`` in the
+      engine; ``min_tokens`` suppresses EOS, stop token ids and stop strings until that many tokens exist.
+    - ``bad_words`` are never generated (each word, with and without a leading space, as a token sequence).
+    - ``logit_bias`` adds a bias in [-100, 100] to token ids; ``allowed_token_ids`` restricts sampling.
+    - ``logprobs=k`` returns, per generated token, the top-k logprobs plus the sampled token's logprob and
+      rank; ``prompt_logprobs=k`` does the same for each prompt token after the first. Logprobs are taken
+      from the model's raw distribution, before any penalty, bias or temperature.
+    - ``truncate_prompt_tokens=k`` keeps only the last k prompt tokens (-1: as many as the model allows).
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -36,53 +54,105 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    bad_words: list[str] = []
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
+        self.stop = list(self.stop or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed == -1:
+            self.seed = None
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
         self._validate()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(_is_int(self.n) and self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                f"temperature must be a number >= 0, got {self.temperature}")
+        _check(not (self.is_greedy and self.n > 1), "n",
+               f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty, "repetition_penalty",
+               f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
                f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed",
-               f"seed must be an integer, got {self.seed!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                f"min_tokens must be >= 0, got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "stop must be a non-empty string or a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(isinstance(s, str) and s for s in self.bad_words), "bad_words",
+               "bad_words must be a list of non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be a list of non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= -1), name,
+                   f"{name} must be a non-negative integer, or -1 for the whole vocabulary; got {value}")
+        if self.logit_bias is not None:
+            _check(all(t >= 0 and _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                       for t, b in self.logit_bias.items()), "logit_bias",
+                   f"logit_bias must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+        _check(self.truncate_prompt_tokens is None
+               or (_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                             or self.truncate_prompt_tokens == -1)),
+               "truncate_prompt_tokens",
+               f"truncate_prompt_tokens must be at least 1, or -1; got {self.truncate_prompt_tokens}")
+
+
+def _int_keys(bias: dict) -> dict[int, float]:
+    try:
+        return {int(token): bias_value for token, bias_value in bias.items()}
+    except (TypeError, ValueError):
+        raise ValidationError("logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _check(condition: bool, param: str, message: str) -> None:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from quire.core.chat import Conversation
 from quire.core.engine.input_processor import PromptType
-from quire.core.engine.llm_engine import LLMEngine
+from quire.core.engine.llm_engine import EngineMetrics, LLMEngine
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
 from quire.core.outputs import RequestOutput
@@ -20,7 +20,7 @@ from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    """A model loaded for batch generation.
+    """A model loaded for batch generation; with no ``model``, the embedded quire-demo model.
 
     >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
     >>> outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
@@ -28,7 +28,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
@@ -37,12 +37,20 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: int | None = None,
         block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+        max_logprobs: int = 20,
         seed: int = 0,
     ):
         args = EngineArgs(
-            model=str(model), tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, block_size=block_size, seed=seed,
+            kv_cache_memory=kv_cache_memory, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            long_prefill_token_threshold=long_prefill_token_threshold, max_logprobs=max_logprobs,
+            seed=seed,
         )
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
@@ -50,17 +58,33 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (returns False if requests are still running)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> EngineMetrics:
+        """Latest scheduler statistics (running, waiting, KV usage, prefix-cache counters, preemptions)
+        and the timings of recently finished requests."""
+        return self.llm_engine.get_metrics()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or a prompt dict); outputs in input order."""
+        """Generate for every prompt (text, token ids, or a prompt dict); outputs in input order.
+
+        ``priority`` (one per prompt; lower runs first) matters with ``scheduling_policy="priority"``.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValidationError(f"got {len(priority)} priorities for {len(prompt_list)} prompts",
+                                  param="priority")
+        return self._run(prompt_list, params_list, use_tqdm, priority)
 
     def chat(
         self,
@@ -92,13 +116,15 @@ class LLM:
         return [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 for p in sampling_params]
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
+        priorities = priority or [0] * len(prompts)
         try:
-            for request_id, prompt, request_params in zip(request_ids, prompts, params):
-                engine.add_request(request_id, prompt, request_params)
+            for request_id, prompt, request_params, request_priority in zip(
+                    request_ids, prompts, params, priorities):
+                engine.add_request(request_id, prompt, request_params, priority=request_priority)
             finished = self._run_engine(len(prompts), use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -27,7 +27,7 @@ class EngineCore:
         self.model_runner.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,
-            KVCacheManager(self.num_blocks, config.cache.block_size),
+            KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
             config.model.max_model_len,
         )
         logger.info("engine ready: %s, %d KV blocks of %d tokens", config.model.architecture,
@@ -37,6 +37,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
+            request.cache_salt, request.bad_words_token_ids,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -44,6 +45,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; with nothing to do, return empty outputs at once."""

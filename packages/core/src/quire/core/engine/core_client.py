@@ -28,6 +28,9 @@ class EngineCoreClient(abc.ABC):
     def get_output(self) -> EngineCoreOutputs: ...
 
     @abc.abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abc.abstractmethod
     def shutdown(self) -> None: ...
 
 
@@ -49,6 +52,9 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         pass

@@ -20,6 +20,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = params.skip_special_tokens
+        # Fast tokenizers ignore spaces_between_special_tokens; emulate False by dropping the space a
+        # decoder puts between two consecutive special tokens.
+        self._special_ids = (frozenset(tokenizer.all_special_ids)
+                             if not (params.spaces_between_special_tokens or params.skip_special_tokens)
+                             else frozenset())
+        self._previous_token: int | None = None
         self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
                                     skip_special_tokens=params.skip_special_tokens)
         self._stop = params.stop
@@ -42,6 +48,9 @@ class IncrementalDetokenizer:
             if is_stop_token and not self._include_stop:
                 break
             piece = self._stream.step(self._backend, token_id)
+            if piece and token_id in self._special_ids and self._previous_token in self._special_ids:
+                piece = piece.removeprefix(" ")
+            self._previous_token = token_id
             if not piece:
                 continue
             self.output_text += piece

@@ -19,10 +19,12 @@ PromptType = Union[str, list[int], dict[str, Any]]
 class InputProcessor:
     """Checks prompts and sampling parameters against the model's limits."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer, max_model_len: int | None = None):
+    def __init__(self, model_config: ModelConfig, tokenizer, max_model_len: int | None = None,
+                 max_logprobs: int = 20):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model_config.max_model_len
+        self.max_logprobs = max_logprobs
         eos_ids = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
@@ -35,13 +37,17 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None when the prompt was token ids)."""
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams", param="sampling_params")
-        if params.n != 1:
-            raise ValidationError("n > 1 is not supported yet", param="n")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValidationError("cache_salt must be a non-empty string", param="cache_salt")
         prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_ids = self._truncate(prompt_ids, params.truncate_prompt_tokens)
         self._validate_prompt(prompt_ids)
         self._validate_params(params)
         if params.max_tokens is None:
@@ -57,8 +63,27 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            cache_salt=cache_salt,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
         return request, prompt_text
+
+    def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return prompt_ids[-keep:]
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, alone and after a space (as it appears mid-sentence)."""
+        sequences = []
+        for word in bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -93,7 +118,18 @@ class InputProcessor:
 
     def _validate_params(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-        if bad is not None:
-            raise ValidationError(f"stop token id {bad} is out of vocabulary (0..{vocab_size - 1})",
-                                  param="stop_token_ids")
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValidationError(f"token id {bad} in {name} is out of vocabulary (0..{vocab_size - 1})",
+                                      param=name)
+        for name in ("logprobs", "prompt_logprobs"):
+            requested = getattr(params, name)
+            if requested is None or self.max_logprobs == -1:
+                continue
+            if requested == -1 or requested > self.max_logprobs:
+                raise ValidationError(
+                    f"{name}={requested} is more than this engine's max_logprobs={self.max_logprobs}",
+                    param=name)

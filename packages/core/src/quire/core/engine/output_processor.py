@@ -1,101 +1,208 @@
-"""Engine outputs (token ids) to user outputs (text, finish reasons), one request state per request."""
+"""Engine outputs (token ids) to user outputs (text, logprobs, finish reasons), one state per request.
+
+A request with ``n > 1`` runs as ``n`` child requests in the engine; a ``ParentRequest`` gathers them
+back under the user's request id.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from quire.core.engine.detokenizer import IncrementalDetokenizer
+from quire.core.engine.logprobs import LogprobsAccumulator
 from quire.core.errors import ValidationError
-from quire.core.outputs import CompletionOutput, RequestOutput
-from quire.core.request import FinishReason
+from quire.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quire.core.sampling_params import RequestOutputKind
-from quire.core.wire import EngineCoreOutput, EngineCoreRequest
+from quire.core.wire import EngineCoreOutput, EngineCoreRequest, EventType, FinishReason
 
 
 @dataclasses.dataclass
 class RequestState:
     request_id: str
+    index: int  # completion index within its parent (0 without one)
+    parent: ParentRequest | None
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
     detokenizer: IncrementalDetokenizer
+    logprobs: LogprobsAccumulator
+    metrics: RequestMetrics
     sent_token_offset: int = 0
+    num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def user_request_id(self) -> str:
+        return self.parent.request_id if self.parent else self.request_id
+
+
+@dataclasses.dataclass
+class ParentRequest:
+    """The user's request behind ``n`` child requests."""
+
+    request_id: str
+    child_ids: list[str]
+    output_kind: RequestOutputKind
+    finished: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finished) == len(self.child_ids)
 
 
 class OutputProcessor:
     """Detokenizes, applies stop strings and builds ``RequestOutput``s for the requests in flight."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, max_finished_metrics: int = 10_000):
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+        self.finished_metrics: list[RequestMetrics] = []
+        self._max_finished_metrics = max_finished_metrics
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None,
+                    parent: ParentRequest | None = None, index: int = 0,
+                    arrival_time: float | None = None) -> None:
         if request.request_id in self.request_states:
             raise ValidationError(f"request id {request.request_id!r} is already in use",
                                   param="request_id")
         params = request.sampling_params
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
         self.request_states[request.request_id] = RequestState(
-            request_id=request.request_id,
-            prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            output_kind=params.output_kind,
+            request_id=request.request_id, index=index, parent=parent, prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids, output_kind=params.output_kind,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
+            logprobs=LogprobsAccumulator(self.tokenizer, params.logprobs, params.prompt_logprobs),
+            metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                                   num_prompt_tokens=len(request.prompt_token_ids)),
         )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
+    def is_in_flight(self, request_id: str) -> bool:
+        """Whether a user request id is taken by a request still running."""
+        return request_id in self.request_states or request_id in self.parent_requests
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
+    def engine_request_ids(self, request_ids) -> list[str]:
+        """The engine-side ids behind user request ids (children of a parent), for those in flight."""
+        engine_ids = []
+        for request_id in request_ids:
+            parent = self.parent_requests.get(request_id)
+            children = parent.child_ids if parent else [request_id]
+            engine_ids += [child for child in children if child in self.request_states]
+        return engine_ids
+
     def abort_requests(self, request_ids) -> list[str]:
-        """Forget the given requests; return those that were in flight."""
-        return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
+        """Forget the given user requests; return the engine-side ids that were in flight."""
+        engine_ids = self.engine_request_ids(request_ids)
+        for engine_id in engine_ids:
+            state = self.request_states.pop(engine_id)
+            if state.parent is not None:
+                self.parent_requests.pop(state.parent.request_id, None)
+        return engine_ids
 
     def process_outputs(
         self, engine_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Return the outputs to hand to users and the ids the engine must abort (stop strings)."""
+        """Return the outputs to hand to users and the engine ids to abort (stop strings)."""
         request_outputs, to_abort = [], []
+        now = time.monotonic()
         for output in engine_outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
-            stop_terminated = output.finish_reason == FinishReason.STOP
-            stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
-            if stop_string is not None:
-                state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
-                if not output.finished:
-                    to_abort.append(output.request_id)
-            elif output.finished:
-                state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
-                state.detokenizer.finish(stop_terminated)
+            self._update(state, output, now)
+            if state.finish_reason is not None and not output.finished:
+                to_abort.append(output.request_id)  # stopped by a stop string
             request_output = self._make_output(state)
             if request_output is not None:
                 request_outputs.append(request_output)
             if state.finish_reason is not None:
-                del self.request_states[output.request_id]
+                self._finish(state, now)
         return request_outputs, to_abort
+
+    def _update(self, state: RequestState, output: EngineCoreOutput, now: float) -> None:
+        metrics = state.metrics
+        for event in output.events or ():
+            if event.type == EventType.SCHEDULED and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = event.timestamp
+            elif event.type == EventType.PREEMPTED:
+                metrics.num_preemptions += 1
+        state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
+        if output.new_prompt_logprobs is not None:
+            state.logprobs.add_prompt(output.new_prompt_logprobs)
+        if not output.new_token_ids:
+            return
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times += [now] * len(output.new_token_ids)
+        stop_terminated = output.finish_reason == FinishReason.STOP
+        stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
+        num_kept = len(state.detokenizer.token_ids) - state.logprobs.num_sampled
+        state.logprobs.add_sampled(output.new_logprobs, num_kept)
+        if stop_string is not None:
+            state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
+        elif output.finished:
+            state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+            state.detokenizer.finish(stop_terminated)
+
+    def _finish(self, state: RequestState, now: float) -> None:
+        del self.request_states[state.request_id]
+        metrics = state.metrics
+        metrics.finished_time = now
+        metrics.num_generation_tokens = len(state.detokenizer.token_ids)
+        metrics.num_cached_tokens = state.num_cached_tokens
+        self.finished_metrics.append(metrics)
+        del self.finished_metrics[:-self._max_finished_metrics]
+        if state.parent is not None and state.parent.is_finished:
+            self.parent_requests.pop(state.parent.request_id, None)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finish_reason is not None
+        parent = state.parent
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        completion = self._completion(state, finished)
+        if parent is None:
+            return self._request_output(state, [completion], finished)
+        if finished:
+            parent.finished[state.index] = completion
+        if state.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not parent.is_finished:
+                return None
+            return self._request_output(state, [parent.finished[i] for i in sorted(parent.finished)], True)
+        return self._request_output(state, [completion], parent.is_finished)
+
+    def _completion(self, state: RequestState, finished: bool) -> CompletionOutput:
         delta = state.output_kind == RequestOutputKind.DELTA
-        detokenizer = state.detokenizer
-        text = detokenizer.next_text(finished, delta)
-        token_ids = detokenizer.token_ids
+        text = state.detokenizer.next_text(finished, delta)
+        token_ids = state.detokenizer.token_ids
+        start = state.sent_token_offset if delta else 0
         if delta:
-            token_ids, state.sent_token_offset = token_ids[state.sent_token_offset:], len(token_ids)
-        completion = CompletionOutput(
-            index=0,
+            state.sent_token_offset = len(token_ids)
+        return CompletionOutput(
+            index=state.index,
             text=text,
-            token_ids=list(token_ids),
+            token_ids=list(token_ids[start:]),
             finish_reason=str(state.finish_reason) if finished else None,
             stop_reason=state.stop_reason,
+            cumulative_logprob=state.logprobs.cumulative_logprob,
+            logprobs=state.logprobs.sampled_since(start, len(token_ids)),
         )
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
-                             finished)
+
+    def _request_output(self, state: RequestState, completions: list[CompletionOutput],
+                        finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.user_request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+            num_cached_tokens=state.num_cached_tokens, prompt_logprobs=state.logprobs.prompt,
+            metrics=state.metrics,
+        )

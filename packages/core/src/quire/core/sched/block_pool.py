@@ -1,8 +1,9 @@
-"""Physical KV blocks: ref counts and an O(1) free list.
+"""Physical KV blocks: ref counts, an O(1) free list, and the prefix cache's hash → block map.
 
 Block 0 is the reserved null block: never handed out, never freed (padding may point at it).
-Freed blocks that carry a prefix-cache hash go to the back of the free list (evicted least recently
-freed first); blocks without one go to the front (reused first).
+Freed blocks that carry a prefix-cache hash go to the back of the free list, so the least recently freed
+is evicted first; blocks without one go to the front (reused first). A free block keeps its hash (and its
+place in the map) until it is handed out again, so a later request can take it back from the free list.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[bytes, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -98,9 +100,39 @@ class BlockPool:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
         blocks = [self.free_queue.popleft() for _ in range(num_blocks)]
         for block in blocks:
-            block.block_hash = None
+            self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks, pulling free ones back out of the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Register a full block under its hash (a block already holding that prefix wins)."""
+        if block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free list in this order."""

@@ -1,18 +1,28 @@
-"""Which blocks each request holds, and allocation of slots for the tokens a step will compute."""
+"""Which blocks each request holds, allocation of slots for a step, and prefix-cache lookups."""
 
 from __future__ import annotations
 
 from quire.core.request import Request
+from quire.core.sched.block_hash import extend_block_hashes
 from quire.core.sched.block_pool import BlockPool, KVBlock
 
 
 class KVCacheManager:
-    """Maps request ids to their block lists over one ``BlockPool``."""
+    """Maps request ids to their block lists over one ``BlockPool``.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    With prefix caching on, every full block a request computes is registered under its chained hash
+    (``quire.core.sched.block_hash``), and a new request starts from its longest run of cached full
+    blocks, always leaving its last token to compute (its logits are needed).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def usage(self) -> float:
@@ -22,20 +32,45 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more computed tokens; return the new block ids.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The request's longest cached prefix of full blocks, and how many tokens it covers."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (and after
+        ``computed_blocks``, cache hits the request takes on); return the ids of freshly allocated blocks.
 
         Returns None, changing nothing, when there are not enough free blocks.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        num_new_blocks = num_needed - len(blocks)
-        if num_new_blocks <= 0:
-            return []
-        if num_new_blocks > self.block_pool.num_free_blocks:
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
+        # hits sitting in the free list stop being free once taken
+        num_free = self.block_pool.num_free_blocks - sum(b.ref_cnt == 0 for b in computed_blocks)
+        if num_new_blocks > num_free:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
             return None
+        self.block_pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -44,4 +79,26 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_hashed_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                   request.cache_salt)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        # NOTE: blocks are registered when their slots are allocated, before the step computes them;
+        # a request reading them later in the same step is still correct, because every layer writes
+        # the whole batch's keys and values before any request attends.
+        start = self._num_hashed_blocks.get(request.request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for index in range(start, num_full):
+            if blocks[index].block_hash is None:
+                self.block_pool.cache_block(blocks[index], hashes[index])
+        self._num_hashed_blocks[request.request_id] = num_full

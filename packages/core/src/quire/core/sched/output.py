@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from quire.core.sampling_params import SamplingParams
+from quire.core.wire import Logprobs
 
 
 @dataclasses.dataclass
@@ -16,6 +17,7 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -50,6 +52,9 @@ class SchedulerOutput:
 
 @dataclasses.dataclass
 class ModelRunnerOutput:
-    """Tokens sampled in one step, for the requests whose scheduled tokens reached their end."""
+    """Tokens sampled in one step, for the requests whose scheduled tokens reached their end, and the
+    logprobs asked for: of the sampled tokens, and of the prompt tokens this step's chunk predicted."""
 
     sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, Logprobs] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = dataclasses.field(default_factory=dict)

@@ -2,15 +2,14 @@
 
 There is no prefill phase and no decode phase: every request has ``num_computed_tokens`` and each step
 hands out tokens so that it catches up with the request's known tokens. One rule covers chunked prefill,
-resumption after preemption and decode in the same batch. Running requests are served first; waiting
-requests are admitted only if no request was preempted in this step. When KV blocks run out, the
-latest-admitted running request is preempted by recompute: its blocks are freed and it goes back to the
-head of the waiting queue.
+prefix-cache hits, resumption after preemption and decode in the same batch. Running requests are served
+first; waiting requests are admitted only if no request was preempted in this step. When KV blocks run
+out, a running request chosen by the policy (FCFS: the latest admitted; priority: the lowest priority)
+is preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 from quire.core.config import SchedulerConfig
@@ -22,8 +21,9 @@ from quire.core.sched.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from quire.core.sched.request_queue import make_request_queue
 from quire.core.sched.stop import check_stop
-from quire.core.wire import EngineCoreOutput, SchedulerStats
+from quire.core.wire import EngineCoreOutput, EventType, SchedulerStats
 
 
 class Scheduler:
@@ -34,7 +34,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self._removed_request_ids: set[str] = set()
         self.num_preemptions = 0
@@ -46,11 +46,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+        request.record_event(EventType.QUEUED)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort); unknown or already finished ids are ignored."""
-        finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -60,8 +60,6 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            finished.append(request)
-        for request in finished:
             self._free(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -71,57 +69,78 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
-        new: list[NewRequestData] = []
-        preempted = False
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        for request_id, num_tokens in step.num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        removed, self._removed_request_ids = self._removed_request_ids, set()
+        self._last_num_scheduled_tokens = step.total
+        return SchedulerOutput(step.new, list(step.cached.values()), step.num_scheduled, removed)
 
+    def _schedule_running(self, step: _StepPlan) -> None:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, step.budget)
             if num_new_tokens <= 0:
                 index += 1
                 continue
-            block_ids, preempted_now = self._allocate_or_preempt(request, num_new_tokens)
-            preempted = preempted or preempted_now
+            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                victim = self.waiting.select_victim(self.running)
+                if self.running.index(victim) < index:
+                    index -= 1
+                self._preempt(victim, step)
+                if victim is request:
+                    break
             if block_ids is None:
-                break  # the request preempted itself: nothing later in the list can run either
-            cached.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
-            num_scheduled[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
+                continue  # the request preempted itself; `index` now points at its successor
+            step.cached[request.request_id] = CachedRequestData(
+                request.request_id, block_ids, request.num_computed_tokens)
+            step.add(request.request_id, num_new_tokens)
             index += 1
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, step.budget, num_cached)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            request.num_computed_tokens += num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            request.record_event(EventType.SCHEDULED)
             self.running.append(request)
-            new.append(NewRequestData(
+            step.new.append(NewRequestData(
                 request_id=request.request_id,
                 token_ids=list(request.all_token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling_params=request.sampling_params,
                 eos_token_ids=sorted(request.eos_token_ids),
+                bad_words_token_ids=request.bad_words_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
             ))
-            num_scheduled[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
+            step.add(request.request_id, num_new_tokens)
 
-        for request_id, num_tokens in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
-        removed, self._removed_request_ids = self._removed_request_ids, set()
-        self._last_num_scheduled_tokens = sum(num_scheduled.values())
-        return SchedulerOutput(new, cached, num_scheduled, removed)
+    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and self.num_unfinished_requests > 1:
+            num_new_tokens = min(num_new_tokens, threshold)
+        return num_new_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -142,48 +161,73 @@ class Scheduler:
                 self.running.remove(request)
                 self._free(request)
             outputs.append(EngineCoreOutput(
-                request_id, new_token_ids, request.status.finish_reason, request.stop_reason
+                request_id, new_token_ids, request.status.finish_reason, request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens or 0,
+                new_logprobs=runner_output.logprobs.get(request_id),
+                new_prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
+                events=request.take_events(),
             ))
+        for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request_id not in runner_output.sampled_token_ids and request is not None:
+                # a prompt chunk that sampled nothing yet: its prompt logprobs go out now
+                outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=prompt_logprobs,
+                                                events=request.take_events()))
         return outputs
 
     def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> tuple[list[int] | None, bool]:
-        """Allocate slots, preempting from the back of the running list until they fit.
-
-        Returns ``(new block ids or None if ``request`` itself was preempted, whether anything was)``.
-        """
-        preempted = False
-        while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if block_ids is not None:
-                return block_ids, preempted
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted = True
-            if victim is request:
-                return None, preempted
-
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
+        self.running.remove(request)
+        step.unschedule(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.record_event(EventType.PREEMPTED)
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         self._removed_request_ids.add(request.request_id)
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._removed_request_ids.add(request.request_id)
+
+
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.total = 0
+        self.num_scheduled: dict[str, int] = {}
+        self.cached: dict[str, CachedRequestData] = {}
+        self.new: list[NewRequestData] = []
+        self.preempted = False
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled[request_id] = num_tokens
+        self.budget -= num_tokens
+        self.total += num_tokens
+
+    def unschedule(self, request_id: str) -> None:
+        """Forget a request preempted after it was scheduled (possible under the priority policy)."""
+        self.preempted = True
+        num_tokens = self.num_scheduled.pop(request_id, 0)
+        self.cached.pop(request_id, None)
+        self.budget += num_tokens
+        self.total -= num_tokens

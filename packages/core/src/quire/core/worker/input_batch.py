@@ -27,13 +27,24 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
-        # Python objects per row (not numeric): seed, and the ids masked until min_tokens is reached.
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        # Python objects per row (not numeric); None or empty where unused.
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.min_tokens_blocked_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.bad_words_token_ids: list[list[list[int]]] = [[] for _ in range(max_num_reqs)]
+        self.allowed_token_ids: list[list[int] | None] = [None] * max_num_reqs
+        self.logit_bias: list[tuple[list[int], list[float]] | None] = [None] * max_num_reqs
+        self.num_logprobs: list[int | None] = [None] * max_num_reqs
+        self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
         self._row_arrays = [self.token_ids, self.num_tokens, self.num_prompt_tokens,
                             self.num_computed_tokens, self.block_table, self.num_blocks,
-                            self.temperature, self.top_k, self.top_p, self.min_p, self.min_tokens]
-        self._row_lists = [self.seeds, self.min_tokens_blocked_ids]
+                            self.temperature, self.top_k, self.top_p, self.min_p, self.min_tokens,
+                            self.presence_penalty, self.frequency_penalty, self.repetition_penalty]
+        self._row_lists = [self.seeds, self.min_tokens_blocked_ids, self.bad_words_token_ids,
+                           self.allowed_token_ids, self.logit_bias, self.num_logprobs,
+                           self.num_prompt_logprobs]
 
     @property
     def num_reqs(self) -> int:
@@ -56,11 +67,20 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.min_tokens[row] = params.min_tokens
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
         self.seeds[row] = params.seed
         blocked = set(params.stop_token_ids)
         if not params.ignore_eos:
             blocked.update(data.eos_token_ids)
         self.min_tokens_blocked_ids[row] = sorted(blocked)
+        self.bad_words_token_ids[row] = data.bad_words_token_ids
+        self.allowed_token_ids[row] = params.allowed_token_ids
+        self.logit_bias[row] = (None if not params.logit_bias else
+                                (list(params.logit_bias), list(params.logit_bias.values())))
+        self.num_logprobs[row] = params.logprobs
+        self.num_prompt_logprobs[row] = params.prompt_logprobs
 
     def remove(self, request_id: str) -> None:
         row = self.index.pop(request_id, None)

@@ -13,9 +13,11 @@ from quire.core.config import EngineConfig
 from quire.core.models import get_model_class
 from quire.core.models.weights import iterate_weights
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from quire.core.wire import Logprobs
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches
-from quire.core.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from quire.core.worker.sampler import Sampler, gather_logprobs
+from quire.core.worker.sampling_metadata import build_sampling_metadata
 
 
 @dataclasses.dataclass
@@ -23,10 +25,12 @@ class StepInputs:
     """Tensors for one forward pass, and which rows sample afterwards."""
 
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: np.ndarray
     attn_metadata: AttentionMetadata
+    rows: np.ndarray  # persistent-batch rows scheduled in this step, in token order
+    query_start_loc: np.ndarray
+    sampling_rows: np.ndarray  # rows that sample, in logits order
     logits_indices: torch.Tensor  # flat token index of each sampling row's last token
-    sampling_rows: np.ndarray  # persistent-batch rows that sample, in logits order
 
 
 class ModelRunner:
@@ -56,17 +60,44 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        if len(inputs.sampling_rows) == 0:
-            return ModelRunnerOutput({})
+        hidden = self.model(inputs.input_ids, torch.from_numpy(inputs.positions), self.kv_caches,
+                            inputs.attn_metadata)
+        output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
+        if len(inputs.sampling_rows):
+            self._sample(inputs, hidden, output)
+        return output
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        metadata: SamplingMetadata = build_sampling_metadata(self.input_batch, inputs.sampling_rows)
-        sampled = self.sampler(logits, metadata).numpy()
-        self.input_batch.append_tokens(inputs.sampling_rows, sampled)
-        req_ids = self.input_batch.req_ids
-        return ModelRunnerOutput({
-            req_ids[row]: [token] for row, token in zip(inputs.sampling_rows.tolist(), sampled.tolist())
-        })
+        metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
+        sampled = self.sampler(logits, metadata)
+        tokens = sampled.token_ids.numpy()
+        batch.append_tokens(inputs.sampling_rows, tokens)
+        for i, (row, token) in enumerate(zip(inputs.sampling_rows.tolist(), tokens.tolist())):
+            request_id = batch.req_ids[row]
+            output.sampled_token_ids[request_id] = [token]
+            if i in sampled.logprobs:
+                output.logprobs[request_id] = sampled.logprobs[i]
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
+        """Logprobs of the prompt tokens that this step's chunks predict (for requests that asked)."""
+        batch = self.input_batch
+        result = {}
+        for i, row in enumerate(inputs.rows.tolist()):
+            k = batch.num_prompt_logprobs[row]
+            if k is None:
+                continue
+            start, end = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
+            first_position = int(inputs.positions[start])
+            # position p predicts token p + 1, which is a prompt token while p + 1 < num_prompt_tokens
+            last = min(first_position + (end - start), int(batch.num_prompt_tokens[row]) - 1)
+            if last <= first_position:
+                continue
+            logits = self.model.compute_logits(hidden[start:start + last - first_position])
+            targets = torch.from_numpy(batch.token_ids[row, first_position + 1:last + 1].astype(np.int64))
+            result[batch.req_ids[row]] = gather_logprobs(logits.log_softmax(dim=-1), targets, k)
+        return result
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -105,8 +136,10 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=torch.from_numpy(input_ids.astype(np.int64)),
-            positions=torch.from_numpy(positions),
+            positions=positions,
             attn_metadata=metadata,
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
+            rows=rows,
+            query_start_loc=query_start_loc,
             sampling_rows=rows[samples],
+            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
         )

@@ -1,20 +1,31 @@
-"""Turning logits into tokens: masking, temperature, min-p, top-k/top-p, then sampling.
+"""Turning logits into tokens.
 
-Greedy rows take the argmax. Random rows race exponential noise (``argmax(p / q)`` with ``q ~ Exp(1)``,
-which samples from ``p``). A row with a seed draws its noise from a generator seeded by
-``(seed, output position)``, so its tokens depend on neither the batch it runs in nor preemptions.
+Order (as in vLLM): raw logprobs (if asked) → allowed token ids → bad words → min-tokens masking →
+logit bias → repetition, frequency and presence penalties → greedy argmax → temperature → min-p →
+top-k / top-p → sample. Random rows race exponential noise (``argmax(p / q)`` with ``q ~ Exp(1)``, which
+samples from ``p``); a row with a seed draws its noise from a generator seeded by ``(seed, output
+position)``, so its tokens depend neither on the batch it runs in nor on preemptions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from quire.core.sampling_params import GREEDY_TEMPERATURE
+from quire.core.wire import Logprobs
 
-_MASK64 = (1 << 64) - 1
+
+@dataclasses.dataclass
+class Penalties:
+    """Penalty parameters and token statistics of every sampling row (used when any row has one)."""
+
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32
+    output_counts: torch.Tensor  # [B, V] float32: occurrences in the output so far
+    seen: torch.Tensor  # [B, V] bool: in the prompt or the output
 
 
 @dataclasses.dataclass
@@ -22,23 +33,25 @@ class SamplingMetadata:
     """Per-row sampling parameters of the rows that sample in this step."""
 
     temperature: torch.Tensor  # [B] float32
-    top_k: torch.Tensor | None  # [B] int64, vocabulary size where disabled; None if no row uses it
-    top_p: torch.Tensor | None  # [B] float32; None if no row uses it
-    min_p: torch.Tensor | None  # [B] float32; None if no row uses it
-    seeded_rows: dict[int, int]  # row -> seed for this step's noise
-    blocked_token_ids: dict[int, list[int]]  # row -> ids masked out (min_tokens not reached)
+    top_k: torch.Tensor | None = None  # [B] int64, a huge value where disabled; None if no row uses it
+    top_p: torch.Tensor | None = None  # [B] float32; None if no row uses it
+    min_p: torch.Tensor | None = None  # [B] float32; None if no row uses it
+    seeded_rows: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> this step's seed
+    allowed_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    banned_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # bad words, min_tokens
+    logit_bias: dict[int, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
+    penalties: Penalties | None = None
+    num_logprobs: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> k (-1: vocabulary)
 
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature < GREEDY_TEMPERATURE).all())
 
 
-def step_seed(seed: int, position: int) -> int:
-    """A well-mixed 63-bit seed from a request seed and an output position (splitmix64)."""
-    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: dict[int, Logprobs]  # row -> logprobs of its sampled token (rows that asked)
 
 
 class Sampler:
@@ -47,9 +60,30 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        for row, token_ids in metadata.blocked_token_ids.items():
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.num_logprobs else None
+        logits = self._process(logits, metadata)
+        tokens = self._sample(logits, metadata)
+        logprobs = {}
+        if raw_logprobs is not None:
+            for row, k in metadata.num_logprobs.items():
+                logprobs[row] = gather_logprobs(raw_logprobs[row:row + 1], tokens[row:row + 1], k)
+        return SamplerOutput(tokens, logprobs)
+
+    def _process(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        for row, token_ids in metadata.allowed_token_ids.items():
+            keep = logits[row, token_ids]
+            logits[row] = float("-inf")
+            logits[row, token_ids] = keep
+        for row, token_ids in metadata.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
+        for row, (token_ids, biases) in metadata.logit_bias.items():
+            logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
@@ -63,10 +97,18 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in metadata.seeded_rows.items():
-            row_generator = torch.Generator().manual_seed(seed)
-            noise[row].exponential_(generator=row_generator)
+            noise[row].exponential_(generator=torch.Generator().manual_seed(seed))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition penalty on every seen token, then frequency and presence penalties on output tokens."""
+    repetition = penalties.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(penalties.seen, penalized, logits)
+    logits = logits - penalties.frequency[:, None] * penalties.output_counts
+    return logits - penalties.presence[:, None] * (penalties.output_counts > 0).to(logits.dtype)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -93,26 +135,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def build_sampling_metadata(batch, rows: np.ndarray) -> SamplingMetadata:
-    """Gather the sampling parameters of ``rows`` of an ``InputBatch``."""
-    top_k = batch.top_k[rows]
-    top_p = batch.top_p[rows]
-    min_p = batch.min_p[rows]
-    seeded, blocked = {}, {}
-    num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-    for i, row in enumerate(rows.tolist()):
-        seed = batch.seeds[row]
-        if seed is not None:
-            seeded[i] = step_seed(seed, int(num_outputs[i]))
-        if num_outputs[i] < batch.min_tokens[row] and batch.min_tokens_blocked_ids[row]:
-            blocked[i] = batch.min_tokens_blocked_ids[row]
-    vocab_cap = np.iinfo(np.int32).max
-    return SamplingMetadata(
-        temperature=torch.from_numpy(batch.temperature[rows]),
-        top_k=(torch.from_numpy(np.where(top_k > 0, top_k, vocab_cap).astype(np.int64))
-               if (top_k > 0).any() else None),
-        top_p=torch.from_numpy(top_p) if (top_p < 1).any() else None,
-        min_p=torch.from_numpy(min_p) if (min_p > 0).any() else None,
-        seeded_rows=seeded,
-        blocked_token_ids=blocked,
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Logprobs:
+    """Rows of ``[chosen token, top-k tokens]`` logprobs, and the chosen tokens' ranks.
+
+    ``logprobs`` is ``[N, V]`` (log-softmaxed), ``chosen`` ``[N]``; ``k=-1`` means the whole vocabulary.
+    """
+    k = logprobs.shape[-1] if k < 0 else min(k, logprobs.shape[-1])
+    chosen_logprobs = logprobs.gather(-1, chosen[:, None])
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    return Logprobs(
+        token_ids=torch.cat([chosen[:, None], top_ids], dim=-1).tolist(),
+        logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=-1).tolist(),
+        ranks=ranks.tolist(),
     )
