@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 
@@ -16,3 +17,20 @@ def bench_checkpoint(folder: Path) -> Path:
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
                          init_std=0.02, logit_std=4.0, dtype="bfloat16")
     return build_checkpoint(folder, spec, build_tokenizer(8000))
+
+
+def random_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """``(prompt token ids, output length)`` per request, lengths uniform in the given ranges."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_len))]
+        requests.append((prompt, rng.randint(*output_len)))
+    return requests
+
+
+def vocab_size(folder: Path) -> int:
+    import json
+
+    return json.loads((folder / "config.json").read_text())["vocab_size"]

@@ -13,13 +13,12 @@ its throughput counts only the tokens the requests asked for (the padding work i
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from common import bench_checkpoint
+from common import bench_checkpoint, random_workload, vocab_size
 
 
 def parse_args():
@@ -31,23 +30,16 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine; the median counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
+    parser.add_argument("--in-process", dest="multiprocess", action="store_false",
+                        help="run Quire's engine core in this process instead of its own")
     return parser.parse_args()
-
-
-def make_workload(args, vocab_size: int):
-    rng = random.Random(args.seed)
-    requests = []
-    for _ in range(args.num_requests):
-        prompt_len = rng.randint(*args.prompt_len)
-        output_len = rng.randint(*args.output_len)
-        requests.append(([rng.randrange(3, vocab_size) for _ in range(prompt_len)], output_len))
-    return requests
 
 
 def run_quire(folder: Path, requests, args) -> float:
     from quire.offline import LLM, SamplingParams
 
-    llm = LLM(folder, dtype=args.dtype, max_num_seqs=max(len(requests), 1), seed=args.seed)
+    llm = LLM(folder, dtype=args.dtype, max_num_seqs=max(len(requests), 1), seed=args.seed,
+              multiprocess=args.multiprocess)
     prompts = [prompt for prompt, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -93,10 +85,8 @@ def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         folder = bench_checkpoint(args.checkpoint or Path(scratch) / "bench-llama-7m")
-        import json
-
-        vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-        requests = make_workload(args, vocab_size)
+        requests = random_workload(args.num_requests, args.prompt_len, args.output_len,
+                                   vocab_size(folder), args.seed)
         num_output_tokens = sum(n for _, n in requests)
         print(f"workload: {len(requests)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
               f"outputs {args.output_len[0]}-{args.output_len[1]} tokens ({num_output_tokens} in all), "

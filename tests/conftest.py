@@ -11,6 +11,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Most tests run the engine core in-process (starting a process per LLM would add seconds each);
+# tests/core/engine_process/ exercises the process boundary explicitly (multiprocess=True).
+os.environ.setdefault("QUIRE_MULTIPROCESS_ENGINE", "0")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 128}

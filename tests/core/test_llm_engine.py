@@ -27,6 +27,8 @@ def params(kind, n=6):
 
 def test_is_an_engine_client(engine):
     assert isinstance(engine, EngineClient)
+    engine.check_health()
+    assert engine.is_running and not engine.errored
 
 
 def test_output_kinds(engine):

@@ -18,6 +18,7 @@ def admit(manager, request):
     """What the scheduler does for a waiting request: look up hits, then allocate the rest."""
     hits, num_cached = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_cached, hits) is not None
+    manager.record_lookup(request.num_tokens, num_cached)
     request.num_computed_tokens = request.num_tokens
     return hits, num_cached
 

@@ -204,6 +204,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # or "priority": lower priority value first
     long_prefill_token_threshold: int = 0
+    # Admission limits, enforced by AsyncLLM.check_admission (None: unlimited): sequences and prompt
+    # tokens accepted and not yet finished.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,3 +221,4 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
+    multiprocess: bool = True  # run the engine core in its own process

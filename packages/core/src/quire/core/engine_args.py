@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from quire.core.demo import demo_model_path
@@ -28,6 +29,11 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     max_logprobs: int = 20
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    # The engine core in its own process; QUIRE_MULTIPROCESS_ENGINE=0 makes in-process the default.
+    multiprocess: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("QUIRE_MULTIPROCESS_ENGINE", "1") != "0")
     seed: int = 0
 
     def create_engine_config(self) -> EngineConfig:
@@ -50,8 +56,11 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       policy=self.scheduling_policy,
-                                      long_prefill_token_threshold=self.long_prefill_token_threshold),
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      max_num_queued_reqs=self.max_num_queued_reqs,
+                                      max_num_queued_tokens=self.max_num_queued_tokens),
             tokenizer=self.tokenizer or model_path,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            multiprocess=self.multiprocess,
         )

@@ -6,6 +6,7 @@ Structs are array-like, so fields are positional on the wire: append new fields 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -38,13 +39,46 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
-    """Logprobs of consecutive positions. Row ``i`` lists the chosen token first (the sampled token,
-    or the actual prompt token), then the top-k tokens; ``ranks[i]`` is the chosen token's rank
-    (1 = most likely)."""
+    """Logprobs of consecutive positions, as raw little-endian buffers (no pickles on the wire).
 
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+    Row ``i`` lists the chosen token first (the sampled token, or the actual prompt token), then the
+    top-k tokens: ``token_ids`` int32 and ``logprobs`` float32, both ``[num_rows, num_cols]``;
+    ``ranks`` int32 ``[num_rows]`` is the chosen token's rank (1 = most likely).
+    """
+
+    num_rows: int
+    num_cols: int
+    token_ids_buffer: bytes
+    logprobs_buffer: bytes
+    ranks_buffer: bytes
+
+    @classmethod
+    def from_arrays(cls, token_ids, logprobs, ranks) -> Logprobs:
+        """Build from numpy arrays (any integer / float dtypes)."""
+        import numpy as np
+
+        token_ids = np.ascontiguousarray(token_ids, dtype="<i4")
+        return cls(token_ids.shape[0], token_ids.shape[1], token_ids.tobytes(),
+                   np.ascontiguousarray(logprobs, dtype="<f4").tobytes(),
+                   np.ascontiguousarray(ranks, dtype="<i4").tobytes())
+
+    @property
+    def token_ids(self):
+        import numpy as np
+
+        return np.frombuffer(self.token_ids_buffer, dtype="<i4").reshape(self.num_rows, self.num_cols)
+
+    @property
+    def logprobs(self):
+        import numpy as np
+
+        return np.frombuffer(self.logprobs_buffer, dtype="<f4").reshape(self.num_rows, self.num_cols)
+
+    @property
+    def ranks(self):
+        import numpy as np
+
+        return np.frombuffer(self.ranks_buffer, dtype="<i4")
 
 
 class EventType(enum.IntEnum):
@@ -71,6 +105,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: Logprobs | None = None
     new_prompt_logprobs: Logprobs | None = None
     events: list[EngineCoreEvent] | None = None
+    error_message: str | None = None  # with FinishReason.ERROR: why the engine failed this request
 
     @property
     def finished(self) -> bool:
@@ -90,9 +125,53 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0  # tokens found there
 
 
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a utility call: a result, or why it failed."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Everything one engine step produced."""
+    """Everything one engine step produced (or the answer to one utility call)."""
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+
+
+class RequestType(bytes, enum.Enum):
+    """The one-byte first frame of every message to the engine core process."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list of request ids
+    UTILITY = b"\x02"  # payload: UtilityCall
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """A call of one of the engine core's utility methods (a fixed list, nothing arbitrary)."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """The engine core's first message once it has started: its real limits."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+class EngineStartupFailure(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """The engine core's first message when it could not start, with the cause."""
+
+    error_type: str
+    message: str
+
+
+# A single-frame message the engine core sends when it dies of an error.
+ENGINE_DEAD_SENTINEL = b"QUIRE_ENGINE_CORE_DEAD"

@@ -22,6 +22,8 @@ from quire.core.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """A model loaded for batch generation; with no ``model``, the embedded quire-demo model.
 
+    The engine core runs in its own process (``multiprocess=False`` keeps it in this one).
+
     >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
     >>> outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
     """
@@ -42,6 +44,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         max_logprobs: int = 20,
         seed: int = 0,
+        multiprocess: bool | None = None,
     ):
         args = EngineArgs(
             model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
@@ -52,11 +55,17 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold, max_logprobs=max_logprobs,
             seed=seed,
         )
+        if multiprocess is not None:
+            args.multiprocess = multiprocess
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, when it has one). Also happens at exit."""
+        self.llm_engine.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (returns False if requests are still running)."""

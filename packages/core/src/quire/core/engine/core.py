@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from quire.core.config import EngineConfig
+from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
 from quire.core.sched.kv_cache_manager import KVCacheManager
 from quire.core.sched.scheduler import Scheduler
@@ -30,6 +33,10 @@ class EngineCore:
             KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
             config.model.max_model_len,
         )
+        self.faults = Faults.from_env()
+        if self.faults.enabled:
+            logger.warning("test fault injection is enabled: %s", self.faults)
+        self.num_steps = 0
         logger.info("engine ready: %s, %d KV blocks of %d tokens", config.model.architecture,
                     self.num_blocks, config.cache.block_size)
 
@@ -42,6 +49,12 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        # With no step coming, hand the runner the requests to drop now rather than at the next step.
+        if not self.scheduler.has_unfinished_requests():
+            self.model_runner.remove_requests(self.scheduler.take_removed_request_ids())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -50,12 +63,38 @@ class EngineCore:
         """Forget every cached prefix; refused (False) while requests hold blocks."""
         return self.scheduler.reset_prefix_cache()
 
+    def get_stats(self) -> dict:
+        return msgspec.to_builtins(self.scheduler.make_stats())
+
+    def check_idle_invariants(self) -> bool:
+        """With no request in flight, nothing may be left behind: raise AssertionError if it is."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        problems = []
+        if scheduler.requests or scheduler.running or len(scheduler.waiting):
+            problems.append(f"{len(scheduler.requests)} requests still tracked by the scheduler")
+        if kv.req_to_blocks:
+            problems.append(f"{len(kv.req_to_blocks)} requests still hold block lists")
+        if kv.num_free_blocks != self.num_blocks - 1:
+            problems.append(f"{self.num_blocks - 1 - kv.num_free_blocks} KV blocks are not free")
+        in_use = [b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt != 0]
+        if in_use:
+            problems.append(f"blocks with references: {in_use[:10]}")
+        if self.model_runner.input_batch.num_reqs:
+            problems.append(f"{self.model_runner.input_batch.num_reqs} rows left in the model runner")
+        if problems:
+            raise AssertionError("engine is not idle-clean: " + "; ".join(problems))
+        return True
+
     def step(self) -> EngineCoreOutputs:
         """Run one engine step; with nothing to do, return empty outputs at once."""
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+        self.num_steps += 1
+        self.faults.before_step(self.num_steps)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._release_if_idle()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())

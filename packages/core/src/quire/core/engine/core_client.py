@@ -17,6 +17,7 @@ class EngineCoreClient(abc.ABC):
 
     num_blocks: int
     max_model_len: int
+    engine_dead: bool = False
 
     @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -28,7 +29,9 @@ class EngineCoreClient(abc.ABC):
     def get_output(self) -> EngineCoreOutputs: ...
 
     @abc.abstractmethod
-    def reset_prefix_cache(self) -> bool: ...
+    def call_utility(self, method: str, *args):
+        """Call one of the engine core's utility methods (reset_prefix_cache, get_stats,
+        check_idle_invariants) and return its result."""
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
@@ -53,8 +56,12 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def call_utility(self, method: str, *args):
+        from quire.core.engine.core_proc import UTILITY_METHODS
+
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
         pass

@@ -13,11 +13,11 @@ from quire.core.engine.core_client import EngineCoreClient, InprocClient
 from quire.core.engine.input_processor import InputProcessor, PromptType
 from quire.core.engine.output_processor import OutputProcessor, ParentRequest
 from quire.core.engine_args import EngineArgs
-from quire.core.errors import ValidationError
+from quire.core.errors import EngineDeadError, ValidationError
 from quire.core.outputs import RequestMetrics, RequestOutput
 from quire.core.sampling_params import SamplingParams
 from quire.core.tokenizer import load_tokenizer
-from quire.core.wire import SchedulerStats
+from quire.core.wire import EngineCoreRequest, SchedulerStats
 
 
 @dataclasses.dataclass
@@ -28,6 +28,39 @@ class EngineMetrics:
     finished_requests: list[RequestMetrics]
 
 
+def make_sync_client(config: EngineConfig) -> EngineCoreClient:
+    """The engine core in its own process (over ZMQ), unless ``config.multiprocess`` is off."""
+    if not config.multiprocess:
+        return InprocClient(config)
+    from quire.core.engine.mp_client import SyncMPClient
+
+    return SyncMPClient(config)
+
+
+def fan_out(output_processor: OutputProcessor, request: EngineCoreRequest,
+            prompt_text: str | None) -> list[EngineCoreRequest]:
+    """Register a request with the output processor; return the engine requests to send.
+
+    With ``n > 1`` the request becomes ``n`` children ``id#i`` under one ``ParentRequest``; child ``i``
+    is seeded ``seed + i``, and only the first computes prompt logprobs (the prompt is shared).
+    """
+    params = request.sampling_params
+    if params.n == 1:
+        output_processor.add_request(request, prompt_text)
+        return [request]
+    children = []
+    for index in range(params.n):
+        child_params = msgspec.structs.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + index,
+            prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+        children.append(msgspec.structs.replace(request, request_id=f"{request.request_id}#{index}",
+                                                sampling_params=child_params))
+    parent = ParentRequest(request.request_id, [c.request_id for c in children], params.output_kind)
+    for index, child in enumerate(children):
+        output_processor.add_request(child, prompt_text, parent, index)
+    return children
+
+
 class LLMEngine:
     """Front-end processing around an engine core, driven by the caller's ``step`` loop."""
 
@@ -35,9 +68,10 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer)
-        self.engine_core = engine_core or InprocClient(config)
-        self.input_processor = InputProcessor(config.model, self.tokenizer,
-                                              self.engine_core.max_model_len, config.max_logprobs)
+        self.engine_core = engine_core or make_sync_client(config)
+        self.max_model_len = self.engine_core.max_model_len
+        self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
+                                              config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler_stats: SchedulerStats | None = None
 
@@ -47,6 +81,18 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.engine_dead
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError("the engine core is dead; no more requests can be served")
 
     def render_chat(self, messages: Conversation, chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
@@ -60,30 +106,11 @@ class LLMEngine:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
         request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time,
                                                             priority, cache_salt)
-        if params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        children = [self._child(request, i) for i in range(params.n)]
-        parent = ParentRequest(request_id, [child.request_id for child in children], params.output_kind)
-        for index, child in enumerate(children):
-            self.output_processor.add_request(child, prompt_text, parent, index)
-        for child in children:
-            self.engine_core.add_request(child)
-
-    @staticmethod
-    def _child(request, index: int):
-        params = request.sampling_params
-        child_params = msgspec.structs.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + index,
-            # the prompt is shared: only the first child computes its logprobs
-            prompt_logprobs=params.prompt_logprobs if index == 0 else None,
-        )
-        return msgspec.structs.replace(request, request_id=f"{request.request_id}#{index}",
-                                       sampling_params=child_params)
+        for engine_request in fan_out(self.output_processor, request, prompt_text):
+            self.engine_core.add_request(engine_request)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
-        aborted = self.output_processor.abort_requests(list(request_ids))
+        aborted, _ = self.output_processor.abort_requests(list(request_ids))
         if aborted:
             self.engine_core.abort_requests(aborted)
 
@@ -102,7 +129,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while requests are running."""
-        return self.engine_core.reset_prefix_cache()
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def check_idle_invariants(self) -> bool:
+        """Raise unless nothing (requests, KV blocks, runner rows) is left in the engine core."""
+        return self.engine_core.call_utility("check_idle_invariants")
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.scheduler_stats, list(self.output_processor.finished_metrics))

@@ -27,8 +27,7 @@ class LogprobsAccumulator:
             return
         positions = self._positions(logprobs)[:num_kept]
         self.sampled += positions
-        for row, position in zip(logprobs.token_ids, positions):
-            self.cumulative_logprob += position[row[0]].logprob
+        self.cumulative_logprob += float(logprobs.logprobs[:num_kept, 0].sum())
 
     def add_prompt(self, logprobs: Logprobs) -> None:
         if self.prompt is not None:
@@ -38,11 +37,12 @@ class LogprobsAccumulator:
         return None if self.sampled is None else self.sampled[start:end]
 
     def _positions(self, logprobs: Logprobs) -> list[PositionLogprobs]:
-        ids = sorted({token for row in logprobs.token_ids for token in row})
+        all_ids, all_values = logprobs.token_ids.tolist(), logprobs.logprobs.tolist()
+        ids = sorted({token for row in all_ids for token in row})
         texts = dict(zip(ids, self._tokenizer.backend_tokenizer.decode_batch(
             [[token] for token in ids], skip_special_tokens=False)))
         positions = []
-        for token_ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):
+        for token_ids, values, rank in zip(all_ids, all_values, logprobs.ranks.tolist()):
             position = {}
             for i, (token, value) in enumerate(zip(token_ids, values)):
                 if token not in position:

@@ -7,6 +7,7 @@ back under the user's request id.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from quire.core.engine.detokenizer import IncrementalDetokenizer
@@ -15,6 +16,8 @@ from quire.core.errors import ValidationError
 from quire.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quire.core.sampling_params import RequestOutputKind
 from quire.core.wire import EngineCoreOutput, EngineCoreRequest, EventType, FinishReason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -91,6 +94,10 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
+    @property
+    def num_unfinished_prompt_tokens(self) -> int:
+        return sum(len(state.prompt_token_ids) for state in self.request_states.values())
+
     def engine_request_ids(self, request_ids) -> list[str]:
         """The engine-side ids behind user request ids (children of a parent), for those in flight."""
         engine_ids = []
@@ -100,14 +107,21 @@ class OutputProcessor:
             engine_ids += [child for child in children if child in self.request_states]
         return engine_ids
 
-    def abort_requests(self, request_ids) -> list[str]:
-        """Forget the given user requests; return the engine-side ids that were in flight."""
+    def abort_requests(self, request_ids) -> tuple[list[str], list[RequestOutput]]:
+        """Finish the given user requests as aborted; return the engine-side ids that were in flight
+        and a final output (finish reason "abort") for each of them."""
         engine_ids = self.engine_request_ids(request_ids)
+        final_outputs = []
+        now = time.monotonic()
         for engine_id in engine_ids:
-            state = self.request_states.pop(engine_id)
-            if state.parent is not None:
-                self.parent_requests.pop(state.parent.request_id, None)
-        return engine_ids
+            state = self.request_states[engine_id]
+            state.finish_reason = FinishReason.ABORT
+            state.detokenizer.finish(stop_terminated=False)
+            output = self._make_output(state)
+            if output is not None:
+                final_outputs.append(output)
+            self._finish(state, now)
+        return engine_ids, final_outputs
 
     def process_outputs(
         self, engine_outputs: list[EngineCoreOutput]
@@ -140,6 +154,10 @@ class OutputProcessor:
         if output.new_prompt_logprobs is not None:
             state.logprobs.add_prompt(output.new_prompt_logprobs)
         if not output.new_token_ids:
+            if output.finished:  # finished without a token: an engine-side error
+                state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+                logger.warning("request %s failed in the engine: %s", output.request_id,
+                               output.error_message)
             return
         if metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -2,32 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from quire.core.config import ModelConfig
-from quire.core.engine.input_processor import PromptType
-from quire.core.sampling_params import SamplingParams
 
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What a front end may rely on, whether the engine core runs in-process or elsewhere.
+    """What every engine client offers, whether its engine core runs in-process or in its own process.
 
-    ``add_request`` validates and tokenizes at once, raising ``ValidationError`` for bad input, and
-    returns without waiting for generation; how outputs come back (``LLMEngine.step`` or an async
-    stream) is the concrete client's business. ``abort_request`` of an unknown id does nothing.
+    Requests go in and come back in the style of the concrete client: ``LLMEngine`` (synchronous:
+    ``add_request``, then ``step()`` until done, ``abort_request``) or ``AsyncLLM`` (asyncio:
+    ``async for output in generate(...)``, ``await abort(...)``). Both validate and tokenize on the way
+    in, raising ``ValidationError`` that names the bad field, and detokenize on the way out.
+
+    ``max_model_len`` is the limit the engine core reported once it was ready. ``check_health()``
+    raises ``EngineDeadError`` once the engine core can no longer serve; ``errored`` says the same
+    without raising.
     """
 
     model_config: ModelConfig
+    max_model_len: int
+
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def check_health(self) -> None: ...
 
     def get_tokenizer(self): ...
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None: ...
+    def render_chat(self, messages, chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> list[int]: ...
 
-    def abort_request(self, request_ids: Iterable[str]) -> None: ...
-
-    def has_unfinished_requests(self) -> bool: ...
+    def get_metrics(self): ...
 
     def shutdown(self) -> None: ...

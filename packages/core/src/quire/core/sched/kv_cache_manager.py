@@ -44,9 +44,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (not the retries of a request that waits)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = ()) -> list[int] | None:

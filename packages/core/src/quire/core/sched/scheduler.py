@@ -81,9 +81,14 @@ class Scheduler:
             self._schedule_waiting(step)
         for request_id, num_tokens in step.num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
-        removed, self._removed_request_ids = self._removed_request_ids, set()
         self._last_num_scheduled_tokens = step.total
-        return SchedulerOutput(step.new, list(step.cached.values()), step.num_scheduled, removed)
+        return SchedulerOutput(step.new, list(step.cached.values()), step.num_scheduled,
+                               self.take_removed_request_ids())
+
+    def take_removed_request_ids(self) -> set[str]:
+        """Ids finished or preempted since the last call, which the model runner must drop."""
+        removed, self._removed_request_ids = self._removed_request_ids, set()
+        return removed
 
     def _schedule_running(self, step: _StepPlan) -> None:
         index = 0
@@ -117,6 +122,8 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop()
+            if request.num_computed_tokens == 0 and not request.skip_prefix_cache:
+                self.kv_cache_manager.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached

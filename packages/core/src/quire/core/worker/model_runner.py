@@ -99,10 +99,13 @@ class ModelRunner:
             result[batch.req_ids[row]] = gather_logprobs(logits.log_softmax(dim=-1), targets, k)
         return result
 
+    def remove_requests(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.input_batch.remove(request_id)
+
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for request_id in scheduler_output.finished_request_ids:
-            batch.remove(request_id)
+        self.remove_requests(scheduler_output.finished_request_ids)
         for data in scheduler_output.new_requests:
             batch.add(data)
         for data in scheduler_output.cached_requests:

@@ -143,9 +143,9 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Log
     k = logprobs.shape[-1] if k < 0 else min(k, logprobs.shape[-1])
     chosen_logprobs = logprobs.gather(-1, chosen[:, None])
     ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
-    return Logprobs(
-        token_ids=torch.cat([chosen[:, None], top_ids], dim=-1).tolist(),
-        logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=-1).tolist(),
-        ranks=ranks.tolist(),
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return Logprobs.from_arrays(
+        torch.cat([chosen[:, None], top_ids], dim=-1).numpy(),
+        torch.cat([chosen_logprobs, top_logprobs], dim=-1).numpy(),
+        ranks.numpy(),
     )

@@ -1,0 +1,60 @@
+"""What the process boundary costs: offline throughput of ``LLM`` with the engine core in-process and
+in its own process (ZMQ + msgspec), on the same workload and checkpoint, alternating runs.
+
+    python benchmarks/engine_process_overhead.py [--checkpoint DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import bench_checkpoint, random_workload, vocab_size
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from quire.offline import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = bench_checkpoint(args.checkpoint or Path(scratch) / "bench-llama-7m")
+        requests = random_workload(args.num_requests, args.prompt_len, args.output_len, vocab_size(folder))
+        prompts = [prompt for prompt, _ in requests]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+        num_tokens = sum(n for _, n in requests)
+        engines = {name: LLM(folder, dtype=args.dtype, max_num_seqs=len(requests), multiprocess=mp)
+                   for name, mp in (("in-process", False), ("own process", True))}
+        times = {name: [] for name in engines}
+        for llm in engines.values():
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                times[name].append(time.perf_counter() - start)
+        for llm in engines.values():
+            llm.shutdown()
+    print(f"{len(requests)} requests, {num_tokens} output tokens, {args.dtype}, median of {args.repeats}")
+    rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
+    for name, rate in rates.items():
+        print(f"engine core {name:12s} {rate:10.1f} output tok/s")
+    ratio = rates["own process"] / rates["in-process"]
+    print(f"own process / in-process: {ratio:.3f}x (boundary cost {max(0.0, 1 - ratio) * 100:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()

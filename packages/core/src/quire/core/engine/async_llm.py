@@ -1,0 +1,227 @@
+"""``AsyncLLM``: the asyncio engine client the server uses.
+
+``generate()`` is an async iterator of ``RequestOutput``s. A background output-handler task reads the
+engine core's outputs, runs them through the ``OutputProcessor`` and hands each request's outputs to its
+``RequestOutputCollector``. Cancelling the consumer (a client disconnect) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+from quire.core.chat import Conversation, render_chat
+from quire.core.config import EngineConfig
+from quire.core.engine.input_processor import InputProcessor, PromptType
+from quire.core.engine.llm_engine import EngineMetrics, fan_out
+from quire.core.engine.output_collector import RequestOutputCollector
+from quire.core.engine.output_processor import OutputProcessor
+from quire.core.engine_args import EngineArgs
+from quire.core.errors import EngineDeadError, EngineGenerateError, OverloadedError, ValidationError
+from quire.core.outputs import RequestOutput
+from quire.core.sampling_params import SamplingParams
+from quire.core.tokenizer import load_tokenizer
+from quire.core.wire import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
+LONG_PROMPT_CHARS = 4096
+_OUTPUT_CHUNK = 256
+
+
+class AsyncLLM:
+    """The engine core in its own process, driven from an asyncio event loop."""
+
+    def __init__(self, config: EngineConfig, engine_core=None):
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        if engine_core is None:
+            from quire.core.engine.mp_client import AsyncMPClient
+
+            engine_core = AsyncMPClient(config)
+        self.engine_core = engine_core
+        self.max_model_len = engine_core.max_model_len
+        self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
+                                              config.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.scheduler_stats: SchedulerStats | None = None
+        self._output_handler: asyncio.Task | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(args.create_engine_config())
+
+    # -- health ---------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or self.engine_core.engine_dead
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored and (self._output_handler is None or not self._output_handler.done())
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._dead_error or EngineDeadError("the engine core is dead; no requests can be served")
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine can no longer serve requests."""
+        if self.errored:
+            raise self.dead_error
+
+    def check_admission(self, num_sequences: int = 1, num_prompt_tokens: int = 0) -> None:
+        """Refuse (``OverloadedError``, retryable) work beyond the configured in-flight limits.
+
+        A request counts as many sequences as its ``n``; in flight means accepted and not finished.
+        """
+        limits = self.config.scheduler
+        in_flight = self.output_processor.num_unfinished_requests
+        if limits.max_num_queued_reqs is not None and in_flight + num_sequences > limits.max_num_queued_reqs:
+            raise OverloadedError(f"the engine is at capacity: {in_flight} sequences in flight, the limit is "
+                                  f"{limits.max_num_queued_reqs}; retry later")
+        if limits.max_num_queued_tokens is not None:
+            queued_tokens = self.output_processor.num_unfinished_prompt_tokens
+            if queued_tokens + num_prompt_tokens > limits.max_num_queued_tokens:
+                raise OverloadedError(f"the engine is at capacity: {queued_tokens} prompt tokens in flight, "
+                                      f"the limit is {limits.max_num_queued_tokens}; retry later")
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def render_chat(self, messages: Conversation, chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                          arrival_time: float | None = None, priority: int = 0,
+                          cache_salt: str | None = None) -> RequestOutputCollector:
+        """Validate, admit and send a request; return the collector its outputs will arrive in."""
+        self.check_health()
+        self._start_output_handler()
+        if self.output_processor.is_in_flight(request_id):
+            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
+        process = (self.input_processor.process, request_id, prompt, params, arrival_time, priority,
+                   cache_salt)
+        if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+            request, prompt_text = await asyncio.to_thread(*process)
+        else:
+            request, prompt_text = process[0](*process[1:])
+        self.check_admission(params.n, params.n * len(request.prompt_token_ids))
+        collector = RequestOutputCollector(params.output_kind)
+        engine_requests = fan_out(self.output_processor, request, prompt_text)
+        self.collectors[request_id] = collector
+        try:
+            for engine_request in engine_requests:
+                await self.engine_core.add_request_async(engine_request)
+        except BaseException:
+            self._abort_now([request_id])
+            raise
+        return collector
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Raises ``ValidationError`` for bad input,
+        ``OverloadedError`` when at capacity, ``EngineGenerateError`` if the engine failed the request
+        and ``EngineDeadError`` if the engine died."""
+        collector = await self.add_request(request_id, prompt, params, priority=priority,
+                                           cache_salt=cache_salt)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                if finished and any(c.finish_reason == "error" for c in output.outputs):
+                    raise EngineGenerateError(f"the engine failed request {request_id!r}")
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            self._abort_now([request_id])
+            raise
+        finally:
+            if finished:
+                self.collectors.pop(request_id, None)
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored); frees their KV blocks. A consumer
+        of ``generate`` receives a final output whose finish reason is "abort"."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        engine_ids, final_outputs = self.output_processor.abort_requests(ids)
+        for output in final_outputs:
+            collector = self.collectors.pop(output.request_id, None)
+            if collector is not None:
+                collector.put(output)
+        if engine_ids and not self.engine_core.engine_dead:
+            await self.engine_core.abort_requests_async(engine_ids)
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        """Abort without awaiting (for a consumer that is gone): the message is sent by a task."""
+        for request_id in request_ids:
+            self.collectors.pop(request_id, None)
+        engine_ids, _ = self.output_processor.abort_requests(request_ids)
+        if engine_ids and not self.engine_core.engine_dead:
+            task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(engine_ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def _start_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="quire-output-handler")
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                if outputs.scheduler_stats is not None:
+                    self.scheduler_stats = outputs.scheduler_stats
+                engine_outputs = outputs.outputs
+                for start in range(0, len(engine_outputs), _OUTPUT_CHUNK):
+                    if start:
+                        await asyncio.sleep(0)  # let consumers run between chunks of a large step
+                    await self._dispatch(engine_outputs[start:start + _OUTPUT_CHUNK])
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - the engine is gone: tell every waiter
+            if not isinstance(error, EngineDeadError):
+                logger.exception("the output handler failed")
+            self._dead_error = (error if isinstance(error, EngineDeadError)
+                                else EngineDeadError(f"the output handler failed: {error}"))
+            for collector in self.collectors.values():
+                collector.put(self._dead_error)
+            self.collectors.clear()
+
+    async def _dispatch(self, engine_outputs) -> None:
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+        for output in request_outputs:
+            collector = self.collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+        if to_abort:
+            await self.engine_core.abort_requests_async(to_abort)
+
+    # -- utilities -----------------------------------------------------------------------------
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def check_idle_invariants(self) -> bool:
+        """Raise (RuntimeError with the engine's findings) unless nothing is left in the engine."""
+        return await self.engine_core.call_utility_async("check_idle_invariants")
+
+    def get_metrics(self) -> EngineMetrics:
+        return EngineMetrics(self.scheduler_stats, list(self.output_processor.finished_metrics))
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,347 @@
+"""Engine-core clients that talk to an ``EngineCoreProc`` over ZMQ: synchronous and asyncio.
+
+The front end binds two IPC sockets in a private temporary folder (PUSH for requests, PULL for outputs),
+spawns the engine process, and waits for its ``EngineReady`` message, failing fast with the engine's own
+error message if it cannot start. A monitor thread watches the process: if it dies (or sends the dead
+sentinel), every waiting caller gets ``EngineDeadError`` and new calls fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from quire.core.config import EngineConfig
+from quire.core.engine.core_client import EngineCoreClient
+from quire.core.errors import ConfigError, EngineDeadError
+from quire.core.wire import (
+    ENGINE_DEAD_SENTINEL,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    EngineStartupFailure,
+    RequestType,
+    UtilityCall,
+)
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_SECONDS = float(os.environ.get("QUIRE_ENGINE_STARTUP_TIMEOUT", "600"))
+_POLL_MS = 100
+
+
+class _Resources:
+    """What must be released however the client goes away (explicit shutdown or garbage collection)."""
+
+    def __init__(self):
+        self.socket_dir = tempfile.mkdtemp(prefix="quire-engine-")
+        self.context = zmq.Context()
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.output_socket = self.context.socket(zmq.PULL)
+        for socket in (self.input_socket, self.output_socket):
+            socket.setsockopt(zmq.LINGER, 0)
+        self.input_address = f"ipc://{self.socket_dir}/input"
+        self.output_address = f"ipc://{self.socket_dir}/output"
+        self.input_socket.bind(self.input_address)
+        self.output_socket.bind(self.output_address)
+        self.process: subprocess.Popen | None = None
+        self.shutting_down = threading.Event()
+        self.extra_sockets: list = []
+
+    def close(self) -> None:
+        self.shutting_down.set()
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        for socket in [*self.extra_sockets, self.input_socket, self.output_socket]:
+            socket.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Starts the engine core process and owns the sockets to it."""
+
+    def __init__(self, config: EngineConfig):
+        self._resources = resources = _Resources()
+        self._finalizer = weakref.finalize(self, resources.close)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._call_ids = itertools.count(1)
+        self.engine_dead = False
+        # A fresh interpreter (not multiprocessing's spawn, which re-runs the caller's main script).
+        resources.process = subprocess.Popen(
+            [sys.executable, "-m", "quire.core.engine.core_proc", resources.input_address,
+             resources.output_address, str(os.getpid()), resources.socket_dir],
+            stdin=subprocess.PIPE,
+        )
+        resources.process.stdin.write(msgspec.msgpack.encode(config))
+        resources.process.stdin.close()
+        try:
+            ready = self._wait_for_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len = ready.max_model_len
+        self.num_blocks = ready.num_blocks
+        self.block_size = ready.block_size
+        threading.Thread(target=self._monitor, name="engine-monitor", daemon=True).start()
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self._resources.process
+
+    def _wait_for_ready(self) -> EngineReady:
+        socket, process = self._resources.output_socket, self._resources.process
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            if socket.poll(_POLL_MS):
+                message = msgspec.msgpack.decode(socket.recv(), type=EngineReady | EngineStartupFailure)
+                if isinstance(message, EngineStartupFailure):
+                    raise ConfigError(f"the engine core failed to start: {message.error_type}: "
+                                      f"{message.message}")
+                return message
+            if process.poll() is not None:
+                raise ConfigError(f"the engine core process exited during start-up "
+                                  f"(exit code {process.returncode}); see its log above")
+        raise ConfigError(f"the engine core did not start within {STARTUP_TIMEOUT_SECONDS:.0f} s "
+                          "(QUIRE_ENGINE_STARTUP_TIMEOUT)")
+
+    def _monitor(self) -> None:
+        process = self._resources.process
+        process.wait()
+        if not self._resources.shutting_down.is_set():
+            logger.error("the engine core process died (exit code %s)", process.returncode)
+            self._mark_dead()
+
+    def _mark_dead(self) -> None:
+        """Record the death and wake every waiting caller (each client variant knows how)."""
+        self.engine_dead = True
+
+    def ensure_alive(self) -> None:
+        if self.engine_dead:
+            raise EngineDeadError("the engine core is dead; no more requests can be served")
+
+    def _message(self, request_type: RequestType, payload) -> list[bytes]:
+        return [request_type.value, self._encoder.encode(payload)]
+
+    def _decode_output(self, frame: bytes) -> EngineCoreOutputs | None:
+        """Decode one output message; None (after marking the engine dead) for the dead sentinel."""
+        if bytes(frame) == ENGINE_DEAD_SENTINEL:
+            logger.error("the engine core reported a fatal error")
+            self._mark_dead()
+            return None
+        return self._decoder.decode(frame)
+
+    def _utility_call(self, method: str, args) -> UtilityCall:
+        return UtilityCall(next(self._call_ids), method, list(args))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """Blocking client for ``LLMEngine``: an output thread fills a queue that ``get_output`` reads."""
+
+    def __init__(self, config: EngineConfig):
+        self._outputs: queue.Queue = queue.Queue()
+        self._pending_calls: dict[int, Future] = {}
+        self._send_lock = threading.Lock()
+        super().__init__(config)
+        threading.Thread(target=self._output_loop, name="engine-output-reader", daemon=True).start()
+
+    def _output_loop(self) -> None:
+        socket, stopping = self._resources.output_socket, self._resources.shutting_down
+        try:
+            while not stopping.is_set() and not self.engine_dead:
+                if not socket.poll(_POLL_MS):
+                    continue
+                outputs = self._decode_output(socket.recv(copy=False).buffer)
+                if outputs is None:
+                    return
+                if outputs.utility_output is not None:
+                    self._resolve(outputs.utility_output)
+                else:
+                    self._outputs.put(outputs)
+        except zmq.ZMQError:
+            if not stopping.is_set():
+                raise
+
+    def _resolve(self, utility_output) -> None:
+        future = self._pending_calls.pop(utility_output.call_id, None)
+        if future is None:
+            return
+        if utility_output.failure_message is not None:
+            future.set_exception(RuntimeError(utility_output.failure_message))
+        else:
+            future.set_result(utility_output.result)
+
+    def _mark_dead(self) -> None:
+        super()._mark_dead()
+        self._outputs.put(EngineDeadError("the engine core died; see its log for the cause"))
+        for future in list(self._pending_calls.values()):
+            future.set_exception(EngineDeadError("the engine core died during a utility call"))
+        self._pending_calls.clear()
+
+    def _send(self, request_type: RequestType, payload) -> None:
+        self.ensure_alive()
+        with self._send_lock:
+            self._resources.input_socket.send_multipart(self._message(request_type, payload), copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.engine_dead:
+            self._send(RequestType.ABORT, list(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self._outputs.get()
+        if isinstance(item, BaseException):
+            self._outputs.put(item)  # every later caller fails the same way
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args, timeout: float = 60.0):
+        call = self._utility_call(method, args)
+        future: Future = Future()
+        self._pending_calls[call.call_id] = future
+        self._send(RequestType.UTILITY, call)
+        return future.result(timeout=timeout)
+
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client for ``AsyncLLM``: a reader task fills an ``asyncio.Queue``."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        resources = self._resources
+        self._input = zmq.asyncio.Socket.shadow(resources.input_socket.underlying)
+        self._output = zmq.asyncio.Socket.shadow(resources.output_socket.underlying)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs: asyncio.Queue | None = None
+        self._reader: asyncio.Task | None = None
+        self._pending_calls: dict[int, asyncio.Future] = {}
+
+    def _start(self) -> None:
+        if self._reader is None:
+            self._loop = asyncio.get_running_loop()
+            self._outputs = asyncio.Queue()
+            self._reader = self._loop.create_task(self._read_outputs(), name="engine-output-reader")
+            if self.engine_dead:
+                self._mark_dead()
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                frame = await self._output.recv(copy=False)
+                outputs = self._decode_output(frame.buffer)
+                if outputs is None:
+                    return
+                if outputs.utility_output is not None:
+                    self._resolve(outputs.utility_output)
+                else:
+                    self._outputs.put_nowait(outputs)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+
+    def _resolve(self, utility_output) -> None:
+        future = self._pending_calls.pop(utility_output.call_id, None)
+        if future is None or future.done():
+            return
+        if utility_output.failure_message is not None:
+            future.set_exception(RuntimeError(utility_output.failure_message))
+        else:
+            future.set_result(utility_output.result)
+
+    def _mark_dead(self) -> None:
+        super()._mark_dead()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if _in_loop(loop):
+            self._fail_waiters()
+        else:
+            loop.call_soon_threadsafe(self._fail_waiters)
+
+    def _fail_waiters(self) -> None:
+        error = EngineDeadError("the engine core died; see its log for the cause")
+        if self._outputs is not None:
+            self._outputs.put_nowait(error)
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine core died during a utility call"))
+        self._pending_calls.clear()
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._start()
+        self.ensure_alive()
+        await self._input.send_multipart(self._message(RequestType.ADD, request), copy=False)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._start()
+        if request_ids and not self.engine_dead:
+            await self._input.send_multipart(self._message(RequestType.ABORT, list(request_ids)))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._start()
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self._outputs.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args, timeout: float = 60.0):
+        self._start()
+        self.ensure_alive()
+        call = self._utility_call(method, args)
+        future = self._loop.create_future()
+        self._pending_calls[call.call_id] = future
+        await self._input.send_multipart(self._message(RequestType.UTILITY, call))
+        return await asyncio.wait_for(future, timeout)
+
+    # The synchronous interface is not available on an asyncio client.
+    def add_request(self, request):
+        raise TypeError("use add_request_async with an asyncio engine-core client")
+
+    def abort_requests(self, request_ids):
+        raise TypeError("use abort_requests_async with an asyncio engine-core client")
+
+    def get_output(self):
+        raise TypeError("use get_output_async with an asyncio engine-core client")
+
+    def call_utility(self, method, *args):
+        raise TypeError("use call_utility_async with an asyncio engine-core client")
+
+    def shutdown(self) -> None:
+        if self._reader is not None and not self._reader.done() and not self._loop.is_closed():
+            self._reader.cancel()
+        super().shutdown()  # closes the sockets the shadows share
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,56 @@
+"""Per-request hand-off from the output handler to the consumer of ``AsyncLLM.generate``.
+
+The collector holds at most one pending item: if the consumer lags, delta outputs are merged into it
+(text and tokens appended), cumulative and final ones replace it, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from quire.core.outputs import CompletionOutput, RequestOutput
+from quire.core.sampling_params import RequestOutputKind
+
+
+class RequestOutputCollector:
+    def __init__(self, output_kind: RequestOutputKind):
+        self.output_kind = output_kind
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        pending = self._pending
+        if (isinstance(item, RequestOutput) and isinstance(pending, RequestOutput)
+                and self.output_kind == RequestOutputKind.DELTA):
+            self._pending = merge_deltas(pending, item)
+        elif not isinstance(pending, BaseException):
+            self._pending = item
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def get(self) -> RequestOutput:
+        while self._pending is None:
+            await self._ready.wait()
+        return self.get_nowait()
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta output equal to ``earlier`` followed by ``later``."""
+    completions = {c.index: c for c in earlier.outputs}
+    for new in later.outputs:
+        old = completions.get(new.index)
+        completions[new.index] = new if old is None else _merge_completion(old, new)
+    return dataclasses.replace(later, outputs=[completions[i] for i in sorted(completions)])
+
+
+def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    logprobs = None if new.logprobs is None else (old.logprobs or []) + new.logprobs
+    return dataclasses.replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                               logprobs=logprobs)
