@@ -329,7 +329,8 @@ knows little else and is often wrong. It is a demonstration and test model, not 
 
 - Architecture: `LlamaForCausalLM`, hidden size {hidden_size}, {num_hidden_layers} layers,
   {num_attention_heads} attention heads ({num_key_value_heads} key/value heads, head size {head_dim}),
-  MLP size {intermediate_size}, tied embeddings, context {max_position_embeddings} tokens, stored in bfloat16.
+  MLP size {intermediate_size}, tied embeddings, context {max_position_embeddings} tokens (trained on
+  {seq_len}-token windows), stored in bfloat16.
 - Tokenizer: byte-level BPE with {vocab_size} tokens trained on the same data; special tokens
   `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (end of turn); ChatML chat template.
 - Data: the documentation topics that ship with CPython {python_version} (`pydoc_data.topics`) and the

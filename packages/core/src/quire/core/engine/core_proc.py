@@ -35,7 +35,7 @@ from quire.core.wire import (
     UtilityOutput,
 )
 
-logger = logging.getLogger("quire.engine_core")
+logger = logging.getLogger(__name__)
 
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_idle_invariants"})
 _SHUTDOWN = object()  # wakes the busy loop to stop
