@@ -42,19 +42,25 @@ def test_100_concurrent_requests_produce_exactly_their_max_tokens(make_async_llm
 
 
 def test_cancelling_a_third_leaves_the_rest_intact_and_frees_every_block(make_async_llm):
-    engine = make_async_llm(max_num_seqs=32, faults="step_delay_ms=5")
+    engine = make_async_llm(max_num_seqs=32, faults="step_delay_ms=10")
     rng = random.Random(1)
     cancelled = set(rng.sample(range(60), 20))
+    started = {i: asyncio.Event() for i in range(60)}
 
     async def consume(i):
         n = 3 if i % 7 == 0 else 1
         params = SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, output_kind=DELTA)
-        return await count_tokens(engine, f"req-{i}", f"line {i}:", params)
+        counts = {}
+        async for output in engine.generate(f"line {i}:", params, f"req-{i}"):
+            started[i].set()
+            for completion in output.outputs:
+                counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+        return counts
 
     async def main():
         tasks = {i: asyncio.create_task(consume(i)) for i in range(60)}
-        await asyncio.sleep(0.5)  # every request is in flight by now (40 tokens take far longer)
-        for i in cancelled:
+        for i in sorted(cancelled):
+            await started[i].wait()  # in flight: it has produced tokens, and has many more to go
             tasks[i].cancel()
         results = {}
         for i, task in tasks.items():
@@ -85,19 +91,33 @@ def test_admission_limits_count_sequences(make_async_llm):
     engine = make_async_llm(max_num_queued_reqs=4, faults="step_delay_ms=20")
     params = SamplingParams(max_tokens=30, ignore_eos=True)
 
+    async def in_flight(request_ids):
+        """Start requests and return once each has produced output (30 tokens take >= 0.6 s)."""
+        started = {rid: asyncio.Event() for rid in request_ids}
+
+        async def consume(rid):
+            tokens = 0
+            async for output in engine.generate("x", params, rid):
+                started[rid].set()
+                tokens = len(output.outputs[0].token_ids)
+            return tokens
+
+        tasks = [asyncio.create_task(consume(rid)) for rid in request_ids]
+        for event in started.values():
+            await event.wait()
+        return tasks
+
     async def main():
-        first = [asyncio.create_task(count_tokens(engine, f"a{i}", "x", params)) for i in range(4)]
-        await asyncio.sleep(0.2)
+        first = await in_flight([f"a{i}" for i in range(4)])
         with pytest.raises(OverloadedError, match="limit is 4"):
             await count_tokens(engine, "fifth", "x", params)
         for task in first:
             task.cancel()
         await asyncio.gather(*first, return_exceptions=True)
-        two = [asyncio.create_task(count_tokens(engine, f"b{i}", "x", params)) for i in range(2)]
-        await asyncio.sleep(0.2)
-        with pytest.raises(OverloadedError):
+        two = await in_flight(["b0", "b1"])
+        with pytest.raises(OverloadedError):  # an n=3 request counts as 3: 2 + 3 > 4
             await count_tokens(engine, "n3", "x", SamplingParams(n=3, temperature=1.0, max_tokens=3))
-        assert await asyncio.gather(*two) == [{0: 30}, {0: 30}]
+        assert await asyncio.gather(*two) == [30, 30]
 
     run(main())
 
@@ -120,8 +140,7 @@ def test_explicit_abort_ends_the_stream_and_frees_the_request(make_async_llm):
         await asyncio.wait_for(task, 5)
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
         assert sum(len(o.outputs[0].token_ids) for o in outputs) < 100
-        await asyncio.sleep(0.2)
-        assert await engine.check_idle_invariants()
+        assert await engine.check_idle_invariants()  # the abort went first on the same socket
 
     run(main())
 
