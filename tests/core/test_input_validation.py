@@ -16,7 +16,7 @@ def llm(llama_checkpoint):
     ([[]], "prompt", "empty"),
     ([1, 2, 2048], "prompt", "out of vocabulary"),
     ([-1], "prompt", "out of vocabulary"),
-    (list(range(64)), "prompt", "maximum model length of 64"),
+    (list(range(64)), "prompt", "maximum context length is 64 tokens"),
     ({"text": "x"}, "prompt", "prompt_token_ids"),
     ([3.5], "prompt", "string or a list of token ids"),
     (3.5, "prompts", "list of prompts"),

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -63,6 +64,9 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Sampling defaults from generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty), applied by front ends to fields a request leaves unset.
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, path: str | Path, dtype: str = "auto",
@@ -103,6 +107,7 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
+            sampling_defaults={key: generation[key] for key in _SAMPLING_DEFAULT_KEYS if key in generation},
         )
 
     @property

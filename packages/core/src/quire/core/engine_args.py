@@ -64,3 +64,19 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             multiprocess=self.multiprocess,
         )
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_byte_size(text: str | int) -> int:
+    """``"4GiB"``, ``"512MB"`` or ``"1048576"`` as a number of bytes."""
+    if isinstance(text, int):
+        return text
+    value = str(text).strip().lower().replace(" ", "")
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):]
+    if not number or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4GiB, 512MB or a number of bytes)")
+    return int(float(number) * _SIZE_UNITS[unit])

@@ -6,12 +6,14 @@ class QuireError(Exception):
 
 
 class ValidationError(QuireError, ValueError):
-    """The caller's input is invalid (HTTP 400). ``param`` names the offending field."""
+    """The caller's input is invalid (HTTP 400). ``param`` names the offending field; ``code`` is a
+    stable machine-readable id (``invalid_value``, ``context_length_exceeded``, ``unsupported_value``…)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class NotFoundError(QuireError):
@@ -19,7 +21,9 @@ class NotFoundError(QuireError):
 
 
 class OverloadedError(QuireError):
-    """The engine cannot accept more work now; the caller may retry later (HTTP 503)."""
+    """The engine cannot accept more work now; the caller may retry later (HTTP 503 + Retry-After)."""
+
+    retry_after_seconds = 1
 
 
 class EngineDeadError(QuireError):

@@ -31,6 +31,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    finish_reason: str | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

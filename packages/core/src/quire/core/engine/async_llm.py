@@ -34,7 +34,7 @@ _OUTPUT_CHUNK = 256
 class AsyncLLM:
     """The engine core in its own process, driven from an asyncio event loop."""
 
-    def __init__(self, config: EngineConfig, engine_core=None):
+    def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list | None = None):
         self.config = config
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.tokenizer)
@@ -49,6 +49,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats: SchedulerStats | None = None
+        # Objects with record(scheduler_stats, finished: list[RequestMetrics]), called once per step.
+        self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._background: set[asyncio.Task] = set()
@@ -98,8 +100,10 @@ class AsyncLLM:
         return self.tokenizer
 
     def render_chat(self, messages: Conversation, chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt)
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt,
+                           continue_final_message, chat_template_kwargs)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0,
@@ -134,6 +138,12 @@ class AsyncLLM:
         and ``EngineDeadError`` if the engine died."""
         collector = await self.add_request(request_id, prompt, params, priority=priority,
                                            cache_salt=cache_salt)
+        async for output in self.stream(request_id, collector):
+            yield output
+
+    async def stream(self, request_id: str, collector: RequestOutputCollector) -> AsyncIterator[RequestOutput]:
+        """Yield the outputs of a request added with ``add_request`` until it finishes; closing or
+        cancelling the iteration aborts the request."""
         finished = False
         try:
             while not finished:
@@ -158,6 +168,7 @@ class AsyncLLM:
             collector = self.collectors.pop(output.request_id, None)
             if collector is not None:
                 collector.put(output)
+        self._record_stats()
         if engine_ids and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(engine_ids)
 
@@ -166,6 +177,7 @@ class AsyncLLM:
         for request_id in request_ids:
             self.collectors.pop(request_id, None)
         engine_ids, _ = self.output_processor.abort_requests(request_ids)
+        self._record_stats()
         if engine_ids and not self.engine_core.engine_dead:
             task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(engine_ids))
             self._background.add(task)
@@ -189,6 +201,7 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)  # let consumers run between chunks of a large step
                     await self._dispatch(engine_outputs[start:start + _OUTPUT_CHUNK])
+                self._record_stats()
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - the engine is gone: tell every waiter
@@ -199,6 +212,14 @@ class AsyncLLM:
             for collector in self.collectors.values():
                 collector.put(self._dead_error)
             self.collectors.clear()
+
+    def _record_stats(self) -> None:
+        finished = self.output_processor.take_newly_finished()
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(self.scheduler_stats, finished)
+            except Exception:  # noqa: BLE001 - metrics must never take the server down
+                logger.exception("a stat logger failed")
 
     async def _dispatch(self, engine_outputs) -> None:
         request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)

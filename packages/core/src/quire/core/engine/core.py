@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
-
 from quire.core.config import EngineConfig
 from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
@@ -64,7 +62,9 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def get_stats(self) -> dict:
-        return msgspec.to_builtins(self.scheduler.make_stats())
+        stats = self.scheduler.make_stats()
+        return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
+                "num_blocks": self.num_blocks, "num_steps": self.num_steps}
 
     def check_idle_invariants(self) -> bool:
         """With no request in flight, nothing may be left behind: raise AssertionError if it is."""

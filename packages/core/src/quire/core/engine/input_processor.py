@@ -113,8 +113,9 @@ class InputProcessor:
                                   param="prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise ValidationError(
-                f"the prompt has {len(prompt_ids)} tokens; with at least one generated token that is "
-                f"longer than the maximum model length of {self.max_model_len}", param="prompt")
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {len(prompt_ids)} tokens, which leaves no room for any output token. Please "
+                "reduce the length of the prompt.", param="prompt", code="context_length_exceeded")
 
     def _validate_params(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size

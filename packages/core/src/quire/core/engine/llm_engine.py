@@ -95,8 +95,10 @@ class LLMEngine:
             raise EngineDeadError("the engine core is dead; no more requests can be served")
 
     def render_chat(self, messages: Conversation, chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt)
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt,
+                           continue_final_message, chat_template_kwargs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,

@@ -64,6 +64,7 @@ class OutputProcessor:
         self.parent_requests: dict[str, ParentRequest] = {}
         self.finished_metrics: list[RequestMetrics] = []
         self._max_finished_metrics = max_finished_metrics
+        self._newly_finished: list[RequestMetrics] = []
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
                     parent: ParentRequest | None = None, index: int = 0,
@@ -97,6 +98,11 @@ class OutputProcessor:
     @property
     def num_unfinished_prompt_tokens(self) -> int:
         return sum(len(state.prompt_token_ids) for state in self.request_states.values())
+
+    def take_newly_finished(self) -> list[RequestMetrics]:
+        """Metrics of the requests finished since the last call (for stat loggers)."""
+        finished, self._newly_finished = self._newly_finished, []
+        return finished
 
     def engine_request_ids(self, request_ids) -> list[str]:
         """The engine-side ids behind user request ids (children of a parent), for those in flight."""
@@ -178,8 +184,10 @@ class OutputProcessor:
         metrics.finished_time = now
         metrics.num_generation_tokens = len(state.detokenizer.token_ids)
         metrics.num_cached_tokens = state.num_cached_tokens
+        metrics.finish_reason = str(state.finish_reason)
         self.finished_metrics.append(metrics)
         del self.finished_metrics[:-self._max_finished_metrics]
+        self._newly_finished.append(metrics)
         if state.parent is not None and state.parent.is_finished:
             self.parent_requests.pop(state.parent.request_id, None)
 

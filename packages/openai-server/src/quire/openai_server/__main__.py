@@ -1,0 +1,3 @@
+from quire.openai_server.cli import main
+
+main()

@@ -1,0 +1,170 @@
+"""``build_app(engine, settings)``: the FastAPI application, with every route of the server."""
+
+from __future__ import annotations
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+
+from quire.core.errors import ValidationError
+from quire.openai_server.chat import create_chat_completion, render_messages
+from quire.openai_server.completions import create_completion
+from quire.openai_server.errors import APIError, install_error_handlers
+from quire.openai_server.metrics import CONTENT_TYPE, ServerMetrics
+from quire.openai_server.middleware import ServerMiddleware
+from quire.openai_server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from quire.openai_server.serving import ServerState
+from quire.openai_server.settings import ServerSettings
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+_DISCONNECTED = 499  # the client went away before the answer; nobody reads this status
+
+
+def build_app(engine, settings: ServerSettings) -> FastAPI:
+    """The server for one engine client (an ``AsyncLLM``); all state lives on ``app.state.server``."""
+    state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(settings.served_model_names[0]))
+    if hasattr(engine, "stat_loggers"):
+        engine.stat_loggers.append(state.metrics)
+    app = FastAPI(title="Quire OpenAI-compatible API", version=settings.version)
+    app.state.server = state
+    install_error_handlers(app)
+    _add_generation_routes(app)
+    _add_service_routes(app)
+    if settings.enable_debug_routes:
+        _add_debug_routes(app)
+    app.add_middleware(ServerMiddleware, state=state)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    return app
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _add_generation_routes(router: FastAPI) -> None:
+    @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+        result = await create_completion(state, body, request)
+        return Response(status_code=_DISCONNECTED) if result is None else result
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               state: ServerState = Depends(get_state)):
+        result = await create_chat_completion(state, body, request)
+        return Response(status_code=_DISCONNECTED) if result is None else result
+
+
+def _add_service_routes(router: FastAPI) -> None:
+    @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models(state: ServerState = Depends(get_state)):
+        return ModelList(data=[_card(state, name) for name in state.served_model_names])
+
+    @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
+    async def retrieve_model(model: str, state: ServerState = Depends(get_state)):
+        state.check_model(model or "-")
+        return _card(state, model)
+
+    @router.get("/health")
+    async def health(state: ServerState = Depends(get_state)):
+        """Readiness: 200 while the engine serves, 503 when it is dead or the server is draining."""
+        if state.engine.errored:
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @router.get("/ping")
+    async def ping(state: ServerState = Depends(get_state)):
+        return await health(state)
+
+    @router.get("/live")
+    async def live(state: ServerState = Depends(get_state)):
+        """Liveness: 200 unless the engine is dead (draining is still alive)."""
+        if state.engine.errored:
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        return {"status": "ok"}
+
+    @router.get("/version")
+    async def version(state: ServerState = Depends(get_state)):
+        return {"version": state.settings.version}
+
+    @router.get("/metrics")
+    async def metrics(state: ServerState = Depends(get_state)):
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: TokenizeRequest, state: ServerState = Depends(get_state)):
+        state.check_model(body.model)
+        tokenizer = state.engine.get_tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise ValidationError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = render_messages(state, body.messages, body.add_generation_prompt,
+                                     body.continue_final_message, body.chat_template_kwargs)
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        strings = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens,
+                                token_strs=strings)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(get_state)):
+        state.check_model(body.model)
+        vocab = state.engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValidationError(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="tokens")
+        return DetokenizeResponse(prompt=state.engine.get_tokenizer().decode(body.tokens))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(state: ServerState = Depends(get_state)):
+        tokenizer = state.engine.get_tokenizer()
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "eos_token_id": tokenizer.eos_token_id, "vocab_size": len(tokenizer),
+                "model_max_length": state.engine.max_model_len,
+                "chat_template": state.settings.chat_template or getattr(tokenizer, "chat_template", None)}
+
+
+def _add_debug_routes(router: FastAPI) -> None:
+    @router.get("/debug/state")
+    async def debug_state(state: ServerState = Depends(get_state)):
+        """What the engine and the front end are holding right now (API-key protected)."""
+        stats = await state.engine.engine_core.call_utility_async("get_stats")
+        return {"engine": stats, "front_end": {"tracked_requests": state.engine.output_processor.num_unfinished_requests,
+                                               "open_collectors": len(state.engine.collectors),
+                                               "http_requests_in_flight": state.num_in_flight}}
+
+    @router.post("/debug/check_idle")
+    async def check_idle(state: ServerState = Depends(get_state)):
+        """200 if nothing is left behind (blocks, requests, runner rows, front-end state); 409 if it is."""
+        problems = []
+        try:
+            await state.engine.check_idle_invariants()
+        except RuntimeError as error:
+            problems.append(str(error))
+        if state.engine.output_processor.num_unfinished_requests or state.engine.collectors:
+            problems.append("the front end still tracks requests")
+        if problems:
+            raise APIError(409, "; ".join(problems), code="not_idle")
+        return {"idle": True}
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, root=state.engine.model_config.path,
+                     max_model_len=state.engine.max_model_len)

@@ -1,0 +1,92 @@
+"""``quire-openai-server`` / ``python -m quire.openai_server``: command-line options to a running server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from quire.core.engine_args import EngineArgs, parse_byte_size
+from quire.openai_server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quire-openai-server",
+        description="Serve a model over an OpenAI-compatible HTTP API (default: the embedded quire-demo).")
+    parser.add_argument("model_tag", nargs="?", help="model folder (same as --model)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", nargs="+", help="name(s) clients use; the first is reported")
+    server.add_argument("--api-key", action="append", default=None,
+                        help="require this bearer key (repeatable; also QUIRE_API_KEY)")
+    server.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins allowed")
+    server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    server.add_argument("--max-request-body-bytes", type=parse_byte_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    server.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="seconds in-flight requests may finish after SIGTERM (then they are aborted)")
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    server.add_argument("--enable-debug-routes", action="store_true",
+                        help="serve /debug/state and /debug/check_idle (API-key protected when keys are set)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", help="a local Hugging Face checkpoint folder (default: quire-demo)")
+    engine.add_argument("--tokenizer")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--kv-cache-memory", type=parse_byte_size, help="KV cache bytes (e.g. 2GiB)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    engine.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    engine.add_argument("--max-num-queued-reqs", type=int)
+    engine.add_argument("--max-num-queued-tokens", type=int)
+    engine.add_argument("--max-logprobs", type=int, default=20)
+    engine.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
+    from quire.core.demo import DEMO_MODEL_NAME
+
+    model = args.model or args.model_tag
+    engine_args = EngineArgs(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_logprobs=args.max_logprobs,
+        max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
+        seed=args.seed, multiprocess=True,
+    )
+    api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [model or DEMO_MODEL_NAME],
+        host=args.host, port=args.port, api_keys=tuple(api_keys), allowed_origins=tuple(args.allowed_origins),
+        chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        enable_debug_routes=args.enable_debug_routes,
+    )
+    return engine_args, settings
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text()
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args, settings = settings_from_args(args)
+    from quire.openai_server.server import run_server
+
+    sys.exit(run_server(engine_args, settings))

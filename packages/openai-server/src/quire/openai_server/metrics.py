@@ -1,0 +1,94 @@
+"""Prometheus metrics with the ``quire:`` prefix and vLLM's names and meanings, recorded in the server
+process from the engine's per-step statistics and each finished request's timings."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from quire.core.outputs import RequestMetrics
+from quire.core.wire import SchedulerStats
+
+# vLLM's buckets, with finer low buckets for the sub-10 ms latencies of small models on CPUs.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                           30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    """One registry per server (no process-wide globals); ``record`` is called once per engine step."""
+
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        self.running = gauge("quire:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("quire:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("quire:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("quire:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("quire:generation_tokens", "Generated tokens of finished requests.")
+        self.preemptions = counter("quire:num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_cache_queries = counter("quire:prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("quire:prefix_cache_hits", "Tokens found in the prefix cache.")
+        self._success = Counter("quire:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self.ttft = histogram("quire:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("quire:e2e_request_latency_seconds", "Arrival to finish.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("quire:request_queue_time_seconds", "Arrival to first scheduling.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("quire:request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("quire:request_generation_tokens",
+                                                   "Generated tokens per request.", TOKEN_BUCKETS)
+        self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+    def record(self, stats: SchedulerStats | None, finished: list[RequestMetrics]) -> None:
+        if stats is not None:
+            self.running.set(stats.num_running_reqs)
+            self.waiting.set(stats.num_waiting_reqs)
+            self.kv_cache_usage.set(stats.kv_cache_usage)
+            for name, counter in (("num_preemptions", self.preemptions),
+                                  ("prefix_cache_queries", self.prefix_cache_queries),
+                                  ("prefix_cache_hits", self.prefix_cache_hits)):
+                total = getattr(stats, name)  # cumulative in the engine: add what is new
+                if total > self._engine_totals[name]:
+                    counter.inc(total - self._engine_totals[name])
+                    self._engine_totals[name] = total
+        for metrics in finished:
+            self._record_request(metrics)
+
+    def _record_request(self, metrics: RequestMetrics) -> None:
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.generation_tokens.inc(metrics.num_generation_tokens)
+        self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.observe(metrics.num_generation_tokens)
+        self._success.labels(self.model_name, metrics.finish_reason or "unknown").inc()
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.queue_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+        if metrics.e2e_latency is not None:
+            self.e2e.observe(metrics.e2e_latency)
+        times = metrics.token_times
+        for earlier, later in zip(times, times[1:]):
+            self.itl.observe(later - earlier)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Running the app: uvicorn, SIGTERM drain, and leaving when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvicorn
+
+from quire.core.engine_args import EngineArgs
+from quire.openai_server.app import build_app
+from quire.openai_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+WATCHDOG_SECONDS = 0.5
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+class QuireServer(uvicorn.Server):
+    """uvicorn's server with Quire's shutdown rules.
+
+    SIGTERM drains: new requests get 503 (``/health`` too), in-flight ones may finish for
+    ``shutdown_timeout`` seconds, the rest are aborted, then the server exits 0. If the engine dies, the
+    server exits with status 1 (in-flight requests have already failed with 500s).
+    """
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._drain_requested = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
+            self._drain_requested = True
+            asyncio.get_event_loop().call_soon_threadsafe(self._start_drain)
+            return
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True  # NOTE: not recorded as captured, so uvicorn does not re-raise it
+
+    def _start_drain(self) -> None:
+        asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        state, engine = self.state, self.state.engine
+        state.draining = True
+        logger.info("draining: in-flight requests have %.0f s to finish", state.settings.shutdown_timeout)
+        deadline = time.monotonic() + state.settings.shutdown_timeout
+        while state.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        leftover = list(engine.collectors)
+        if leftover:
+            logger.info("aborting %d requests still in flight", len(leftover))
+            await engine.abort(leftover)
+        deadline = time.monotonic() + 2  # let aborted streams send their last events
+        while state.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    async def watch_engine(self) -> None:
+        while not self.should_exit:
+            if self.state.engine.errored:
+                logger.error("the engine has died; the server is exiting")
+                self.exit_code = 1
+                self.should_exit = True
+                return
+            await asyncio.sleep(WATCHDOG_SECONDS)
+
+
+async def serve(engine, settings: ServerSettings) -> int:
+    """Serve until SIGTERM/SIGINT or engine death; return the process exit status."""
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, access_log=False)
+    server = QuireServer(config, app.state.server)
+    watchdog = asyncio.ensure_future(server.watch_engine())
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+    if engine.errored:
+        server.exit_code = 1
+    return server.exit_code
+
+
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """Start the engine (its own process), serve, and shut everything down; return the exit status."""
+    from quire.core.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        return asyncio.run(serve(engine, settings))
+    finally:
+        engine.shutdown()

@@ -1,0 +1,257 @@
+"""Pieces both generation endpoints share: server state, sampling parameters, token limits, logprobs,
+usage, merging several requests' streams, and racing a handler against the client's disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+
+from quire.core.errors import ValidationError
+from quire.core.outputs import PositionLogprobs, RequestOutput
+from quire.core.sampling_params import RequestOutputKind, SamplingParams
+from quire.openai_server.errors import APIError
+from quire.openai_server.protocol import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from quire.openai_server.settings import ServerSettings
+
+MAX_OPENAI_TEMPERATURE = 2.0
+MAX_N = 128
+
+
+@dataclasses.dataclass
+class ServerState:
+    """Everything the routes share, held on ``app.state.server`` (no module globals)."""
+
+    engine: Any  # an AsyncLLM (the EngineClient with generate/abort)
+    settings: ServerSettings
+    metrics: Any = None
+    draining: bool = False
+    num_in_flight: int = 0
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return self.settings.served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    @property
+    def api_key_digests(self) -> list[bytes]:
+        return [hashlib.sha256(key.encode()).digest() for key in self.settings.api_keys]
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist. Valid models: "
+                                f"{', '.join(self.served_model_names)}.", code="model_not_found", param="model")
+
+
+def request_id(prefix: str, request: Request, body_request_id: str | None) -> str:
+    base = body_request_id or request.scope.get("request_id") or uuid.uuid4().hex
+    return f"{prefix}-{base}"
+
+
+def build_sampling_params(state: ServerState, body, *, max_tokens: int, logprobs: int | None,
+                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
+    """The request's sampling fields, with unset ones taken from the model's generation config."""
+    defaults = state.engine.model_config.sampling_defaults
+    temperature = body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
+    if temperature is not None and temperature > MAX_OPENAI_TEMPERATURE:
+        raise ValidationError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+    if body.n > MAX_N:
+        raise ValidationError(f"n must be at most {MAX_N}, got {body.n}", param="n")
+    if body.stream_options is not None and not stream:
+        raise ValidationError("stream_options can only be set when stream is true", param="stream_options")
+    return SamplingParams(
+        n=body.n,
+        temperature=temperature,
+        top_p=_value(body.top_p, defaults, "top_p", 1.0),
+        top_k=_value(body.top_k, defaults, "top_k", 0),
+        min_p=_value(body.min_p, defaults, "min_p", 0.0),
+        repetition_penalty=_value(body.repetition_penalty, defaults, "repetition_penalty", 1.0),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        bad_words=body.bad_words or [],
+        ignore_eos=body.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=body.allowed_token_ids,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _value(requested, defaults: dict, name: str, fallback):
+    return requested if requested is not None else type(fallback)(defaults.get(name, fallback))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValidationError("logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       param: str = "max_tokens") -> int:
+    """The request's token budget: what it asked for, or the rest of the context when unset."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValidationError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
+            param="messages" if param == "max_completion_tokens" else "prompt", code="context_length_exceeded")
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested < 1:
+        raise ValidationError(f"{param} must be at least 1, got {requested}", param=param)
+    if num_prompt_tokens + requested > max_model_len:
+        raise ValidationError(
+            f"'{param}' is too large: {requested}. This model's maximum context length is {max_model_len} "
+            f"tokens and your request has {num_prompt_tokens} input tokens ({requested} > {max_model_len} - "
+            f"{num_prompt_tokens}).", param=param, code="context_length_exceeded")
+    return requested
+
+
+def usage(prompt_token_counts: list[int], outputs: list[RequestOutput]) -> Usage:
+    prompt_tokens = sum(prompt_token_counts)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+# -- logprobs ----------------------------------------------------------------------------------------
+
+def _top(position: PositionLogprobs, k: int):
+    return sorted(position.items(), key=lambda item: item[1].rank or 0)[:k]
+
+
+def legacy_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], tokenizer,
+                    text_offset: int = 0) -> CompletionLogprobs:
+    """Completions' shape; a None position (the first prompt token) gets null logprobs."""
+    result = CompletionLogprobs()
+    for token_id, position in zip(token_ids, positions):
+        if position is None:
+            result.tokens.append(tokenizer.decode([token_id]))
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            chosen = position[token_id]
+            result.tokens.append(chosen.decoded_token or "")
+            result.token_logprobs.append(chosen.logprob)
+            # the chosen token and the top k (k + 1 entries when the chosen one is not among them)
+            result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
+                                        for _, lp in sorted(position.items(), key=lambda i: i[1].rank or 0)})
+        result.text_offset.append(text_offset)
+        text_offset += len(result.tokens[-1])
+    return result
+
+
+def prompt_logprobs(positions: list[PositionLogprobs | None] | None) -> PromptLogprobs | None:
+    if positions is None:
+        return None
+    return [None if position is None else
+            {str(token): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for token, lp in position.items()} for position in positions]
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> ChoiceLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        content.append(TokenLogprob(
+            token=chosen.decoded_token or "", logprob=chosen.logprob,
+            bytes=list((chosen.decoded_token or "").encode()),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                     bytes=list((lp.decoded_token or "").encode())) for _, lp in _top(position, k)],
+        ))
+    return ChoiceLogprobs(content=content)
+
+
+# -- streams and disconnects -------------------------------------------------------------------------
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' output streams as ``(stream index, output)``; closing the merged
+    iterator (a client disconnect) cancels every stream, which aborts its request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream):
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, done))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Run ``work`` unless the client disconnects first, in which case cancel it (which aborts the
+    engine requests it was waiting on) and return None."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+    if not work_task.done():
+        work_task.cancel()
+        await asyncio.gather(work_task, return_exceptions=True)
+        return None
+    return work_task.result()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

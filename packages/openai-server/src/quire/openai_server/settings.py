@@ -1,0 +1,24 @@
+"""The server's own options (the engine's are ``quire.core.EngineArgs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """How the HTTP side behaves. ``served_model_names[0]`` is the name used in responses and metrics."""
+
+    served_model_names: list[str]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    chat_template: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout: float = 0.0  # seconds in-flight requests may finish after SIGTERM
+    log_level: str = "info"
+    enable_debug_routes: bool = False
+    version: str = "0.1.0"

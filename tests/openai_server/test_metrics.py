@@ -1,0 +1,49 @@
+"""Prometheus metrics after requests of known sizes."""
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.openai_server.conftest import ServerProcess
+
+NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 10, 8, 10
+
+
+def samples(server):
+    response = httpx.get(server.url("/metrics"), timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def value(values, name, **labels):
+    labels = {"model_name": "quire-demo", **labels}
+    return values[(name, tuple(sorted(labels.items())))]
+
+
+def test_counts_after_ten_requests_of_known_sizes():
+    server = ServerProcess()
+    try:
+        for i in range(NUM_REQUESTS):
+            response = httpx.post(server.url("/v1/completions"), timeout=60, json={
+                "prompt": [100 + i + j for j in range(PROMPT_LEN)], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "temperature": 0})
+            assert response.status_code == 200
+        values = samples(server)
+        assert value(values, "quire:prompt_tokens_total") == NUM_REQUESTS * PROMPT_LEN
+        assert value(values, "quire:generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
+        assert value(values, "quire:request_success_total", finished_reason="length") == NUM_REQUESTS
+        assert value(values, "quire:time_to_first_token_seconds_count") == NUM_REQUESTS
+        assert value(values, "quire:inter_token_latency_seconds_count") == NUM_REQUESTS * (MAX_TOKENS - 1)
+        assert value(values, "quire:e2e_request_latency_seconds_count") == NUM_REQUESTS
+        assert value(values, "quire:request_queue_time_seconds_count") == NUM_REQUESTS
+        assert value(values, "quire:request_prompt_tokens_sum") == NUM_REQUESTS * PROMPT_LEN
+        assert value(values, "quire:prefix_cache_queries_total") == NUM_REQUESTS * PROMPT_LEN
+        assert value(values, "quire:num_requests_running") == 0
+        assert value(values, "quire:num_requests_waiting") == 0
+        assert value(values, "quire:kv_cache_usage_perc") == 0
+        assert value(values, "quire:num_preemptions_total") == 0
+    finally:
+        server.stop()
