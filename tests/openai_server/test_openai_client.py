@@ -164,3 +164,11 @@ def test_the_console_script_is_installed():
     assert script.is_file()
     assert "--served-model-name" in subprocess.run([str(script), "--help"], capture_output=True, text=True,
                                                    timeout=60).stdout
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(openai_client):
+    chunks = list(chat(openai_client, "Hi", max_tokens=6, temperature=0, stream=True, user="someone",
+                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and chunks[-1].choices == []
