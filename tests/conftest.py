@@ -32,6 +32,17 @@ def checkpoint_specs():
 
 
 @pytest.fixture(scope="session")
+def demo_server():
+    """The real server on the default model (quire-demo) in float32, with the debug routes on; shared by
+    the server and CLI tests."""
+    from tests.servers import ServerProcess
+
+    server = ServerProcess("--dtype", "float32", "--enable-debug-routes", "--max-num-seqs", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     from quire.core.testing.checkpoints import build_tokenizer
 

@@ -4,7 +4,7 @@ import asyncio
 
 import httpx
 
-from tests.openai_server.conftest import ServerProcess
+from tests.servers import ServerProcess
 
 
 def test_a_burst_of_20_against_a_limit_of_4():

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.openai_server.conftest import ServerProcess
+from tests.servers import ServerProcess
 
 
 def wait_idle(server, seconds=10):

@@ -3,7 +3,7 @@
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.openai_server.conftest import ServerProcess
+from tests.servers import ServerProcess
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 10, 8, 10
 

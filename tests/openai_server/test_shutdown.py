@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.openai_server.conftest import ServerProcess
+from tests.servers import ServerProcess
 
 SLOW = {"QUIRE_TEST_FAULTS": "step_delay_ms=20"}
 

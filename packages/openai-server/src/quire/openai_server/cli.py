@@ -12,9 +12,9 @@ from quire.core.engine_args import EngineArgs, parse_byte_size
 from quire.openai_server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="quire-openai-server",
+        prog=prog,
         description="Serve a model over an OpenAI-compatible HTTP API (default: the embedded quire-demo).")
     parser.add_argument("model_tag", nargs="?", help="model folder (same as --model)")
     server = parser.add_argument_group("server")
@@ -83,8 +83,8 @@ def _read_template(value: str | None) -> str | None:
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "quire-openai-server") -> None:
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args, settings = settings_from_args(args)
     from quire.openai_server.server import run_server

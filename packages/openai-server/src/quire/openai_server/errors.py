@@ -112,4 +112,7 @@ def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Expected errors are answered where they happen; anything else is a logged 500.
+    for expected in (APIError, QuireError):
+        app.add_exception_handler(expected, lambda request, error: error_response(error))
     app.add_exception_handler(Exception, lambda request, error: error_response(error))

@@ -32,6 +32,14 @@ class QuireServer(uvicorn.Server):
         self.exit_code = 0
         self._drain_requested = False
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            settings = self.state.settings
+            host = "localhost" if settings.host in ("0.0.0.0", "::") else settings.host
+            print(f"Quire is serving {settings.served_model_names[0]} at http://{host}:{self.config.port}/v1",
+                  flush=True)
+
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
             self._drain_requested = True

@@ -243,6 +243,7 @@ class AsyncLLM:
         return EngineMetrics(self.scheduler_stats, list(self.output_processor.finished_metrics))
 
     def shutdown(self) -> None:
-        if self._output_handler is not None and not self._output_handler.done():
-            self._output_handler.cancel()
+        for task in [self._output_handler, *self._background]:
+            if task is not None and not task.done():
+                task.cancel()
         self.engine_core.shutdown()

@@ -301,7 +301,7 @@ class AsyncMPClient(MPClient):
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self._start()
-        if request_ids and not self.engine_dead:
+        if request_ids and not self.engine_dead and not self._resources.shutting_down.is_set():
             await self._input.send_multipart(self._message(RequestType.ABORT, list(request_ids)))
 
     async def get_output_async(self) -> EngineCoreOutputs:

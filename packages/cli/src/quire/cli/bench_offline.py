@@ -1,0 +1,135 @@
+"""Offline benchmarks: ``quire bench latency`` and ``quire bench throughput`` (Quire or transformers)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def make_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    """``(prompt token ids, output length)``; with ``range_ratio`` r, lengths are uniform in
+    ``[len * (1 - r), len * (1 + r)]`` (r = 0: fixed lengths)."""
+    rng = random.Random(seed)
+
+    def length(center: int) -> int:
+        return max(1, rng.randint(int(center * (1 - range_ratio)), int(center * (1 + range_ratio))))
+
+    return [([rng.randrange(3, vocab_size) for _ in range(length(input_len))], length(output_len))
+            for _ in range(num_prompts)]
+
+
+def _model_path(model: str | None) -> str:
+    if model is not None:
+        return model
+    from quire.core.demo import demo_model_path
+
+    return str(demo_model_path())
+
+
+def _vocab_size(model_path: str) -> int:
+    return json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+
+
+def _write_json(path: Path | None, data: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def run_latency(model, input_len, output_len, batch_size, n, num_iters_warmup, num_iters, dtype, output_json):
+    from quire.offline import LLM, SamplingParams
+
+    path = _model_path(model)
+    llm = LLM(path, dtype=dtype, max_num_seqs=max(batch_size * n, 1))
+    prompts = [prompt for prompt, _ in make_requests(batch_size, input_len, output_len, 0.0, _vocab_size(path), 0)]
+    params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=output_len, ignore_eos=True)
+    print(f"batch of {batch_size}, {input_len} prompt and {output_len} output tokens, n={n}", file=sys.stderr)
+    for _ in range(num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - start)
+    llm.shutdown()
+    percentiles = {p: float(np.percentile(latencies, p)) for p in PERCENTILES}
+    print(f"Avg latency: {np.mean(latencies)} seconds")
+    for p, value in percentiles.items():
+        print(f"{p}% percentile latency: {value} seconds")
+    _write_json(output_json, {"avg_latency": float(np.mean(latencies)), "latencies": latencies,
+                              "percentiles": {str(p): v for p, v in percentiles.items()}})
+
+
+def run_throughput(model, backend, dataset_name, input_len, output_len, range_ratio, num_prompts,
+                   hf_max_batch_size, seed, dtype, max_num_seqs, output_json):
+    path = _model_path(model)
+    ratio = range_ratio if dataset_name == "random" else 0.0
+    requests = make_requests(num_prompts, input_len, output_len, ratio, _vocab_size(path), seed)
+    if backend == "quire":
+        elapsed = quire_throughput(path, requests, dtype, max_num_seqs)
+    else:
+        elapsed = hf_throughput(path, requests, dtype, hf_max_batch_size or len(requests))
+    num_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
+    num_output_tokens = sum(n for _, n in requests)
+    total = num_prompt_tokens + num_output_tokens
+    print(f"Throughput: {len(requests) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "
+          f"{num_output_tokens / elapsed:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {num_prompt_tokens}")
+    print(f"Total num output tokens:  {num_output_tokens}")
+    _write_json(output_json, {"backend": backend, "elapsed_time": elapsed, "num_requests": len(requests),
+                              "total_num_tokens": total, "requests_per_second": len(requests) / elapsed,
+                              "tokens_per_second": total / elapsed,
+                              "output_tokens_per_second": num_output_tokens / elapsed})
+
+
+def quire_throughput(path: str, requests, dtype: str, max_num_seqs: int) -> float:
+    from quire.offline import LLM, SamplingParams
+
+    llm = LLM(path, dtype=dtype, max_num_seqs=max_num_seqs)
+    prompts = [prompt for prompt, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
+    llm.shutdown()
+    return elapsed
+
+
+def hf_throughput(path: str, requests, dtype: str, batch_size: int) -> float:
+    """transformers' ``generate`` on left-padded batches, each running to its longest output. The
+    requested output tokens are what counts; padding and overrun are the backend's real cost."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.generation_config.eos_token_id = None
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    _hf_generate(model, [(requests[0][0], 2)])  # warm-up
+    start = time.perf_counter()
+    for batch in batches:
+        _hf_generate(model, batch)
+    return time.perf_counter() - start
+
+
+def _hf_generate(model, batch) -> None:
+    import torch
+
+    longest = max(len(prompt) for prompt, _ in batch)
+    input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (prompt, _) in enumerate(batch):
+        input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, longest - len(prompt):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, pad_token_id=0,
+                       max_new_tokens=max(n for _, n in batch))

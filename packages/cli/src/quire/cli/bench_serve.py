@@ -1,0 +1,216 @@
+"""``quire bench serve``: drive a running server and report vLLM's "Serving Benchmark Result" block."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+@dataclasses.dataclass
+class ServeBenchConfig:
+    base_url: str
+    endpoint: str
+    model: str | None
+    api_key: str | None
+    input_len: int
+    output_len: int
+    range_ratio: float
+    num_prompts: int
+    burstiness: float
+    max_concurrency: int | None
+    ignore_eos: bool
+    percentile_metrics: list[str]
+    metric_percentiles: list[float]
+    seed: int
+
+
+@dataclasses.dataclass
+class RequestResult:
+    success: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
+def run_serve_bench(config: ServeBenchConfig, rates: list[float], output_json: Path | None,
+                    plot: Path | None) -> int:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    try:
+        with httpx.Client(base_url=config.base_url, headers=headers, timeout=30) as http:
+            models = http.get("/v1/models")
+            models.raise_for_status()
+            model = config.model or models.json()["data"][0]["id"]
+            tokenizer_info = http.get("/tokenizer_info").json()
+    except httpx.HTTPError as error:
+        print(f"error: cannot reach a server at {config.base_url}: {error}", file=sys.stderr)
+        return 1
+    vocab_size = tokenizer_info.get("vocab_size", 1000)
+    runs = []
+    for rate in rates:
+        results, duration = asyncio.run(_benchmark(config, model, rate, headers, vocab_size))
+        summary = summarize(config, rate, results, duration)
+        print_result_block(config, summary)
+        runs.append({"summary": summary, "results": results})
+    if output_json is not None:
+        data = [run["summary"] for run in runs]
+        output_json.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2) + "\n")
+    if plot is not None:
+        from quire.cli.plots import plot_latencies, plot_rate_sweep
+
+        if len(runs) > 1:
+            plot_rate_sweep([run["summary"] for run in runs], plot)
+        else:
+            plot_latencies(runs[0]["results"], plot)
+    return 0 if all(run["summary"]["completed"] for run in runs) else 1
+
+
+def _prompts(config: ServeBenchConfig, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(config.seed)
+
+    def length(center: int) -> int:
+        return max(1, rng.randint(int(center * (1 - config.range_ratio)), int(center * (1 + config.range_ratio))))
+
+    return [([rng.randrange(3, vocab_size) for _ in range(length(config.input_len))], length(config.output_len))
+            for _ in range(config.num_prompts)]
+
+
+async def _arrivals(count: int, rate: float, burstiness: float, seed: int):
+    """Yield ``count`` times, spaced as a Poisson process (burstiness 1), a gamma process, or at once."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        yield i
+        if rate == float("inf") or i == count - 1:
+            continue
+        if burstiness == 0:
+            await asyncio.sleep(1.0 / rate)
+        else:
+            await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
+
+
+async def _benchmark(config: ServeBenchConfig, model: str, rate: float, headers: dict, vocab_size: int):
+    prompts = _prompts(config, vocab_size)
+    limit = asyncio.Semaphore(config.max_concurrency or len(prompts))
+    async with httpx.AsyncClient(base_url=config.base_url, headers=headers,
+                                 timeout=httpx.Timeout(600, connect=30),
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        start = time.perf_counter()
+        tasks = []
+        async for i in _arrivals(len(prompts), rate, config.burstiness, config.seed):
+            tasks.append(asyncio.create_task(_one(http, config, model, *prompts[i], limit)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], output_len: int,
+               limit: asyncio.Semaphore) -> RequestResult:
+    body = {"model": model, "max_tokens": output_len, "stream": True, "ignore_eos": config.ignore_eos,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    if config.endpoint == "/v1/completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
+    result = RequestResult(success=False, prompt_len=len(prompt))
+    async with limit:
+        start = last = time.perf_counter()
+        try:
+            async with http.stream("POST", config.endpoint, json=body) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        result.error = event["error"].get("message", "error")
+                        return result
+                    now = time.perf_counter()
+                    if event.get("usage"):
+                        result.output_len = event["usage"]["completion_tokens"]
+                    if event.get("choices") and _has_text(event["choices"][0]):
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+        except httpx.HTTPError as error:
+            result.error = type(error).__name__
+            return result
+        result.latency = time.perf_counter() - start
+        result.success = True
+        return result
+
+
+def _has_text(choice: dict) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+def summarize(config: ServeBenchConfig, rate: float, results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.success]
+    output_tokens = sum(r.output_len for r in done)
+    input_tokens = sum(r.prompt_len for r in done)
+    summary = {
+        "request_rate": rate if rate != float("inf") else "inf", "max_concurrency": config.max_concurrency,
+        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "errors": sorted({r.error for r in results if r.error}),
+    }
+    values = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+    for metric, samples in values.items():
+        samples_ms = np.array(samples or [0.0]) * 1000
+        summary[f"mean_{metric}_ms"] = float(samples_ms.mean())
+        summary[f"median_{metric}_ms"] = float(np.median(samples_ms))
+        summary[f"std_{metric}_ms"] = float(samples_ms.std())
+        for p in config.metric_percentiles:
+            summary[f"p{p:g}_{metric}_ms"] = float(np.percentile(samples_ms, p))
+    return summary
+
+
+_SECTIONS = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+             "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+
+
+def print_result_block(config: ServeBenchConfig, summary: dict) -> None:
+    def row(label, value, fmt="{:<10.2f}"):
+        print("{:<40} ".format(label) + fmt.format(value))
+
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    row("Successful requests:", summary["completed"], "{:<10}")
+    row("Failed requests:", summary["failed"], "{:<10}")
+    if config.max_concurrency is not None:
+        row("Maximum request concurrency:", config.max_concurrency, "{:<10}")
+    row("Request rate configured (RPS):", summary["request_rate"], "{:<10}")
+    row("Benchmark duration (s):", summary["duration"])
+    row("Total input tokens:", summary["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", summary["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", summary["request_throughput"])
+    row("Output token throughput (tok/s):", summary["output_throughput"])
+    row("Total Token throughput (tok/s):", summary["total_token_throughput"])
+    for metric in config.percentile_metrics:
+        if metric not in _SECTIONS:
+            continue
+        title, short = _SECTIONS[metric]
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        row(f"Mean {short} (ms):", summary[f"mean_{metric}_ms"])
+        row(f"Median {short} (ms):", summary[f"median_{metric}_ms"])
+        for p in config.metric_percentiles:
+            row(f"P{p:g} {short} (ms):", summary[f"p{p:g}_{metric}_ms"])
+    print("=" * 50)

@@ -1,0 +1,152 @@
+"""The quire command: fast help, every command, exit codes (CliRunner and subprocesses)."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from quire.cli.main import app
+from tests.servers import free_port
+
+runner = CliRunner()
+QUIRE = str(Path(sys.executable).parent / "quire")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "serve", "--help"]])
+def test_help_imports_no_heavy_library(argv):
+    code = ("import sys\nfrom quire.cli.main import app\n"
+            f"try:\n    app({argv!r})\nexcept SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy', 'fastapi') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+
+
+def test_serve_help_shows_the_server_options():
+    result = subprocess.run([QUIRE, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "usage: quire serve" in result.stdout
+    for option in ("--served-model-name", "--api-key", "--max-num-queued-reqs", "--shutdown-timeout"):
+        assert option in result.stdout
+
+
+def test_version_and_env():
+    version = runner.invoke(app, ["version"])
+    assert version.exit_code == 0 and "quire-core" in version.stdout and "0.1.0" in version.stdout
+    env = runner.invoke(app, ["env"])
+    assert env.exit_code == 0
+    for line in ("torch", "transformers", "python", "cpu", "gpu"):
+        assert line in env.stdout
+
+
+def test_generate_from_flags_and_files(llama_checkpoint, tmp_path):
+    inline = runner.invoke(app, ["generate", str(llama_checkpoint), "-p", "def main():", "-p", "import os",
+                                 "--max-tokens", "5", "--output-format", "jsonl"])
+    assert inline.exit_code == 0, inline.stderr
+    rows = [json.loads(line) for line in inline.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["def main():", "import os"]
+    assert all(r["num_tokens"] <= 5 for r in rows)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x = 1"}\n{"messages": [{"role": "user", "content": "hi"}]}\nplain line\n')
+    from_file = runner.invoke(app, ["generate", str(llama_checkpoint), "--input", str(prompts), "--max-tokens", "3",
+                                    "--output-format", "jsonl"])
+    assert from_file.exit_code == 0, from_file.stderr
+    assert len(from_file.stdout.splitlines()) == 3
+    assert runner.invoke(app, ["generate", str(llama_checkpoint)]).exit_code == 2
+    assert runner.invoke(app, ["generate", str(llama_checkpoint), "-p", "x", "--max-tokens", "0"]).exit_code == 2
+
+
+def test_run_batch_keeps_order_and_survives_bad_lines(llama_checkpoint, tmp_path):
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "anything", "prompt": "def f():", "max_tokens": 4}},
+        "{this is not json",
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "temperature": -1}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    target = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["run-batch", "-i", str(source), "-o", str(target), str(llama_checkpoint)])
+    assert result.exit_code == 0, result.stderr
+    outputs = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [o["custom_id"] for o in outputs] == ["a", None, "b", "c", "d"]
+    assert outputs[0]["response"]["status_code"] == 200
+    assert outputs[0]["response"]["body"]["object"] == "text_completion"
+    assert outputs[1]["error"]["code"] == "invalid_request" and outputs[1]["response"] is None
+    assert outputs[2]["response"]["body"]["object"] == "chat.completion"
+    assert "url must be one of" in outputs[3]["error"]["message"]
+    assert outputs[4]["response"]["status_code"] == 400
+    assert "2 succeeded, 3 failed" in result.stderr
+
+
+def test_chat_and_complete_quick_against_a_real_server(demo_server):
+    url = demo_server.url("/v1")
+    chat = runner.invoke(app, ["chat", "--url", url, "--quick", "What is the json module for?", "--stats",
+                               "--max-tokens", "12"])
+    assert chat.exit_code == 0, chat.stderr
+    assert chat.stdout.strip() and "TTFT:" in chat.stderr and "tokens/s" in chat.stderr
+    complete = runner.invoke(app, ["complete", "--url", url, "--quick", "The json module", "--max-tokens", "8",
+                                   "--temperature", "0"])
+    assert complete.exit_code == 0 and complete.stdout.strip()
+    conversation = runner.invoke(app, ["chat", "--url", url, "--max-tokens", "6"],
+                                 input="hello\nwhat next?\nexit\n")
+    assert conversation.exit_code == 0 and conversation.stderr.count("> ") == 3
+    unreachable = runner.invoke(app, ["chat", "--url", f"http://127.0.0.1:{free_port()}/v1", "--quick", "hi"])
+    assert unreachable.exit_code == 1 and "cannot reach" in unreachable.stderr
+
+
+def test_bench_serve_against_a_real_server(demo_server, tmp_path):
+    result = runner.invoke(app, ["bench", "serve", "--base-url", demo_server.base_url, "--num-prompts", "12",
+                                 "--random-input-len", "24", "--random-output-len", "8", "--request-rate", "50",
+                                 "--max-concurrency", "4", "--output-json", str(tmp_path / "r.json"),
+                                 "--plot", str(tmp_path / "latency.png")])
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert "Serving Benchmark Result" in result.stdout and "Successful requests:                     12" in result.stdout
+    for section in ("Time to First Token", "Time per Output Token", "Inter-token Latency"):
+        assert section in result.stdout
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["completed"] == 12 and summary["total_output_tokens"] == 96
+    assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
+    sweep = runner.invoke(app, ["bench", "serve", "--base-url", demo_server.base_url, "--num-prompts", "6",
+                                "--random-input-len", "16", "--random-output-len", "4", "--request-rates", "20,40",
+                                "--plot", str(tmp_path / "sweep.png")])
+    assert sweep.exit_code == 0 and sweep.stdout.count("Serving Benchmark Result") == 2
+    assert (tmp_path / "sweep.png").is_file()
+
+
+def test_bench_latency_and_throughput_for_both_backends(llama_checkpoint, tmp_path):
+    latency = runner.invoke(app, ["bench", "latency", "--model", str(llama_checkpoint), "--input-len", "8",
+                                  "--output-len", "4", "--batch-size", "2", "--num-iters-warmup", "1",
+                                  "--num-iters", "3", "--output-json", str(tmp_path / "lat.json")])
+    assert latency.exit_code == 0, latency.stderr
+    assert "Avg latency:" in latency.stdout and "99% percentile latency:" in latency.stdout
+    assert len(json.loads((tmp_path / "lat.json").read_text())["latencies"]) == 3
+    for backend in ("quire", "hf"):
+        result = runner.invoke(app, ["bench", "throughput", "--model", str(llama_checkpoint), "--backend", backend,
+                                     "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
+                                     "--dataset-name", "fixed", "--output-json", str(tmp_path / f"{backend}.json")])
+        assert result.exit_code == 0, result.stderr
+        assert "Throughput:" in result.stdout and "Total num output tokens:  48" in result.stdout
+        assert json.loads((tmp_path / f"{backend}.json").read_text())["num_requests"] == 6
+    bad = runner.invoke(app, ["bench", "throughput", "--backend", "vllm"])
+    assert bad.exit_code == 2
+
+
+def test_serve_prints_its_url_and_stops_cleanly_on_sigterm(llama_checkpoint):
+    port = free_port()
+    server = subprocess.Popen([QUIRE, "serve", str(llama_checkpoint), "--host", "127.0.0.1", "--port", str(port),
+                               "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert line.strip() == f"Quire is serving {llama_checkpoint} at http://127.0.0.1:{port}/v1"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        server.kill()
