@@ -19,18 +19,12 @@ def bench_checkpoint(folder: Path) -> Path:
     return build_checkpoint(folder, spec, build_tokenizer(8000))
 
 
-def random_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                    vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """``(prompt token ids, output length)`` per request, lengths uniform in the given ranges."""
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(num_requests):
-        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_len))]
-        requests.append((prompt, rng.randint(*output_len)))
-    return requests
-
-
-def vocab_size(folder: Path) -> int:
+def workload(folder: str | Path, num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """``(prompt token ids, output length)`` per request, lengths uniform in the given [min, max] ranges."""
     import json
 
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab_size = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
+            for _ in range(num_requests)]

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bench_checkpoint, random_workload, vocab_size
+from common import bench_checkpoint, workload
 
 
 def parse_args():
@@ -32,7 +32,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = bench_checkpoint(args.checkpoint or Path(scratch) / "bench-llama-7m")
-        requests = random_workload(args.num_requests, args.prompt_len, args.output_len, vocab_size(folder))
+        requests = workload(folder, args.num_requests, args.prompt_len, args.output_len)
         prompts = [prompt for prompt, _ in requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
         num_tokens = sum(n for _, n in requests)
