@@ -6,17 +6,36 @@ import random
 from pathlib import Path
 
 
-def bench_checkpoint(folder: Path) -> Path:
-    """A ~7M-parameter Llama-shaped bfloat16 checkpoint (hidden 256, 4 layers, vocabulary ~8000),
-    built with a fixed seed unless ``folder`` already holds one. Nothing is downloaded."""
-    from quire.core.testing.checkpoints import TinyModelSpec, build_checkpoint, build_tokenizer
+def bench_checkpoint(folder: Path, size: str = "tiny") -> Path:
+    """A bfloat16 benchmark checkpoint built with a fixed seed unless ``folder`` already holds one
+    (nothing is downloaded): ``tiny`` is ~7M parameters (Llama shape, hidden 256, 4 layers, vocabulary
+    8000); ``small`` has Qwen2.5-0.5B's shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864,
+    vocabulary 151,936, tied embeddings: ~390M parameters)."""
+    from quire.core.testing.checkpoints import build_checkpoint, build_tokenizer
 
     if (folder / "config.json").is_file():
         return folder
-    spec = TinyModelSpec(model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+    return build_checkpoint(folder, CHECKPOINT_SPECS[size](), build_tokenizer(8000))
+
+
+def _tiny():
+    from quire.core.testing.checkpoints import TinyModelSpec
+
+    return TinyModelSpec(model_type="llama", vocab_size=8000, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=1024, init_std=0.02, logit_std=4.0, dtype="bfloat16")
+
+
+def _small():
+    from quire.core.testing.checkpoints import TinyModelSpec
+
+    return TinyModelSpec(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=1_000_000.0,
                          init_std=0.02, logit_std=4.0, dtype="bfloat16")
-    return build_checkpoint(folder, spec, build_tokenizer(8000))
+
+
+CHECKPOINT_SPECS = {"tiny": _tiny, "small": _small}
 
 
 def workload(folder: str | Path, num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],

@@ -3,8 +3,12 @@ import math
 import pytest
 import torch
 
+from quire.kernels import cpu_extension
 from quire.kernels.attention import paged_attention
 from quire.kernels.kv_cache import write_kv_cache
+
+CPU_KERNELS = cpu_extension.load()
+DECODE_PATHS = [pytest.param(None, id="torch"), pytest.param(CPU_KERNELS, id="cpu-kernel")]
 
 
 def dense_causal_attention(q, k, v, scale):
@@ -53,9 +57,14 @@ def test_write_kv_cache_places_tokens_by_slot():
     assert kv[0, 0].abs().sum() == 0
 
 
+def test_the_cpu_kernels_build_here():
+    assert CPU_KERNELS is not None, "the C++ CPU kernels should compile on this machine"
+
+
+@pytest.mark.parametrize("kernel", DECODE_PATHS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_paged_attention_mixed_batch_matches_dense(dtype, tol, num_heads, num_kv_heads):
+def test_paged_attention_mixed_batch_matches_dense(dtype, tol, num_heads, num_kv_heads, kernel):
     """Decodes, a whole prompt, and prompt chunks over a cached prefix, in one flat batch."""
     g = torch.Generator().manual_seed(0)
     head_dim, block_size = 16, 4
@@ -67,18 +76,33 @@ def test_paged_attention_mixed_batch_matches_dense(dtype, tol, num_heads, num_kv
     for n in query_lens:
         starts.append(starts[-1] + n)
     scale = head_dim**-0.5
-    out = paged_attention(torch.cat(queries), kv[0], kv[1], table, seq_lens, starts, scale)
+    out = paged_attention(torch.cat(queries), kv[0], kv[1], table, seq_lens, starts, scale, kernel)
     for i, q in enumerate(queries):
         expected = dense_causal_attention(q, keys[i], values[i], scale)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)
 
 
-def test_many_decodes_of_different_lengths_grouped_by_length():
+@pytest.mark.parametrize("kernel", DECODE_PATHS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_many_decodes_of_different_lengths(kernel, dtype, tol):
     g = torch.Generator().manual_seed(5)
     seq_lens = [int(n) for n in torch.randint(1, 90, (45,), generator=g)]
-    kv, table, keys, values = write_requests(seq_lens, 700, 8, 2, 16, torch.float32, g)
-    query = torch.randn(len(seq_lens), 4, 16, generator=g)
-    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(len(seq_lens) + 1)), 0.25)
+    kv, table, keys, values = write_requests(seq_lens, 700, 8, 2, 16, dtype, g)
+    query = torch.randn(len(seq_lens), 4, 16, generator=g).to(dtype)
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(len(seq_lens) + 1)), 0.25, kernel)
     for i in range(len(seq_lens)):
         expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.25)
-        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kernel", DECODE_PATHS)
+@pytest.mark.parametrize("num_requests", [5, 40])  # one decode group, and several (sorted by length)
+def test_pure_decode_batches_keep_token_order(num_requests, kernel):
+    g = torch.Generator().manual_seed(9)
+    seq_lens = [int(n) for n in torch.randint(1, 60, (num_requests,), generator=g)]
+    kv, table, keys, values = write_requests(seq_lens, 600, 4, 1, 8, torch.float32, g)
+    query = torch.randn(num_requests, 2, 8, generator=g)
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(num_requests + 1)), 0.3, kernel)
+    for i in range(num_requests):
+        torch.testing.assert_close(out[i:i + 1], dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.3),
+                                   rtol=1e-5, atol=1e-5)

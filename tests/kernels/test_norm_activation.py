@@ -3,32 +3,66 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from quire.kernels.activation import silu_and_mul
-from quire.kernels.norm import fused_add_rms_norm, rms_norm
+from quire.kernels.activation import silu_and_mul, silu_and_mul_reference
+from quire.kernels.norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_transformers_bitwise(dtype):
+def test_rms_norm_reference_matches_transformers_bitwise(dtype):
     torch.manual_seed(0)
     x = torch.randn(7, 64, dtype=dtype) * 3
     hf = LlamaRMSNorm(64, eps=1e-6)
     with torch.no_grad():
         hf.weight.copy_(torch.rand(64) + 0.5)
     hf = hf.to(dtype)
-    torch.testing.assert_close(rms_norm(x, hf.weight, 1e-6), hf(x), rtol=0, atol=0)
+    torch.testing.assert_close(rms_norm_reference(x, hf.weight, 1e-6), hf(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_add_rms_norm_adds_then_normalises(dtype):
+def test_fused_add_rms_norm_reference_adds_then_normalises(dtype):
     torch.manual_seed(1)
     x, residual = torch.randn(5, 32, dtype=dtype), torch.randn(5, 32, dtype=dtype)
     weight = (torch.rand(32) + 0.5).to(dtype)
-    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
     torch.testing.assert_close(new_residual, residual + x, rtol=0, atol=0)
-    torch.testing.assert_close(out, rms_norm(residual + x, weight, 1e-5), rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_norm_reference(residual + x, weight, 1e-5), rtol=0, atol=0)
 
 
-def test_silu_and_mul():
+# The C++ kernels against the references: bfloat16 results are the same numbers (the kernels round
+# wherever PyTorch stores bfloat16); float32 differs only in the last bits (summation order, fused
+# multiply-adds).
+TOLERANCES = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=0, atol=0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_norms_match_the_references(dtype):
+    torch.manual_seed(2)
+    x, residual = torch.randn(33, 96).to(dtype), torch.randn(33, 96).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), **TOLERANCES[dtype])
+    out, summed = fused_add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_summed = fused_add_rms_norm_reference(x, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, **TOLERANCES[dtype])
+    views = torch.randn(5, 6, 40).to(dtype)[:, 1:4]  # strided, like q/k cut from a fused projection
+    torch.testing.assert_close(rms_norm(views, weight[:40], 1e-6), rms_norm_reference(views, weight[:40], 1e-6),
+                               **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_silu_and_mul_matches_the_reference(dtype):
+    torch.manual_seed(3)
+    x = (torch.randn(17, 2 * 48) * 3).to(dtype)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.008, atol=1e-5)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), **tolerance)
+
+
+def test_silu_and_mul_reference():
     torch.manual_seed(2)
     x = torch.randn(3, 4, 10)
-    torch.testing.assert_close(silu_and_mul(x), F.silu(x[..., :5]) * x[..., 5:])
+    torch.testing.assert_close(silu_and_mul_reference(x), F.silu(x[..., :5]) * x[..., 5:], rtol=0, atol=0)

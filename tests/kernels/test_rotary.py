@@ -4,7 +4,13 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from quire.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from quire.kernels.rotary import (
+    rope_cos_sin,
+    rope_inv_freq,
+    rotary_factors,
+    rotate,
+    rotate_reference,
+)
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64, "rope_theta": 500000.0}
@@ -29,7 +35,7 @@ def test_unknown_rope_type_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_apply_rotary_matches_transformers(dtype):
+def test_rotary_reference_matches_transformers(dtype):
     torch.manual_seed(0)
     head_dim, max_pos = 32, 50
     inv_freq = rope_inv_freq(head_dim, 10000.0)
@@ -37,7 +43,7 @@ def test_apply_rotary_matches_transformers(dtype):
     positions = torch.tensor([0, 3, 7, 49, 12])
     q = torch.randn(5, 4, head_dim, dtype=dtype)
     k = torch.randn(5, 2, head_dim, dtype=dtype)
-    q_out, k_out = apply_rotary(positions, q, k, table)
+    q_out, k_out = rotate_reference(q, k, *rotary_factors(positions, table, dtype))
     # transformers' layout: [batch, heads, seq, dim] with cos/sin [batch, seq, dim]
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -45,3 +51,16 @@ def test_apply_rotary_matches_transformers(dtype):
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_rotary_matches_the_reference(dtype):
+    torch.manual_seed(4)
+    table = rope_cos_sin(rope_inv_freq(64, 10000.0), 300)
+    positions = torch.randint(0, 300, (21,))
+    qkv = torch.randn(21, (8 + 2 + 2) * 64).to(dtype)
+    q, k = qkv[:, :512].view(21, 8, 64), qkv[:, 512:640].view(21, 2, 64)  # strided views, as in the model
+    factors = rotary_factors(positions, table, dtype)
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    for got, expected in zip(rotate(q, k, *factors), rotate_reference(q, k, *factors)):
+        torch.testing.assert_close(got, expected, **tolerance)

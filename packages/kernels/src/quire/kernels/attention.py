@@ -4,7 +4,15 @@ A batch is flat: the queries of request ``i`` are rows ``query_start_loc[i]:quer
 ``query``; the request has ``seq_lens[i]`` tokens in the cache (its cached prefix plus these queries, whose
 keys and values were already written), stored in the blocks listed in ``block_tables[i]``. Query ``j`` of a
 request sits at position ``seq_len - query_len + j`` and attends causally to every cached token up to it.
+
+The work is split in two: ``plan_paged_attention`` decides, once per step, how to run the batch (which
+requests decode together, their masks, which blocks each reads), and ``run_paged_attention`` runs that plan
+for one layer. ``paged_attention`` does both and is the reference the other kernels are checked against.
 """
+
+from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -13,42 +21,101 @@ _MAX_DECODE_GROUPS = 4
 _MIN_DECODE_GROUP = 16
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Attention output ``[T, num_heads, head_dim]`` for queries ``[T, num_heads, head_dim]``.
+@dataclasses.dataclass
+class DecodeGroup:
+    """Requests with one query each, run together, their contexts padded to the longest."""
+
+    token_rows: torch.Tensor  # [B] rows of the query/output tensors
+    block_ids: torch.Tensor  # [B * num_blocks] the blocks each request reads, row by row
+    num_blocks: int
+    max_len: int
+    mask: torch.Tensor  # [B, 1, 1, max_len] True where a request has a token
+
+
+@dataclasses.dataclass
+class FusedDecode:
+    """Every one-query request, for a kernel that reads the paged cache in place (no padding, no copy)."""
+
+    token_rows: torch.Tensor | None  # [B] rows of the query/output tensors; None: all rows, in order
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64
+
+
+@dataclasses.dataclass
+class PrefillItem:
+    """One request with several queries (a prompt or a chunk of one)."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [num_blocks]
+    seq_len: int
+    mask: torch.Tensor | None  # [query_len, seq_len]; None when there is no cached prefix (plain causal)
+
+
+@dataclasses.dataclass
+class AttentionPlan:
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillItem]
+    num_tokens: int
+    fused_decode: FusedDecode | None = None
+    decode_kernel: object = None  # the module whose paged_decode runs fused_decode
+
+
+def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
+                         block_size: int, decode_kernel=None) -> AttentionPlan:
+    """How to run one step's batch; the same plan serves every layer.
+
+    With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests go to its
+    ``paged_decode``; otherwise they are gathered and run through ``scaled_dot_product_attention``.
+    """
+    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    prefills = [_prefill_item(i, block_tables, seq_lens, query_start_loc, block_size)
+                for i, n in enumerate(query_lens) if n > 1]
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_kernel is not None and decode_rows:
+        fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, len(query_lens))
+        return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel)
+    # Decodes run together, padded to the longest context; requests of similar length are grouped so
+    # that short ones do not pay for copying the long ones' padding.
+    num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
+    if num_groups > 1:
+        decode_rows.sort(key=seq_lens.__getitem__)
+    groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size)
+              for group in _split(decode_rows, num_groups)]
+    return AttentionPlan(groups, prefills, query_start_loc[-1])
+
+
+def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """Attention output ``[T, num_heads, head_dim]`` for queries ``[T, num_heads, head_dim]`` under a plan.
 
     ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (see
-    ``quire.kernels.kv_cache``); ``num_heads`` must be a multiple of ``num_kv_heads`` (grouped-query
-    attention). ``seq_lens`` and ``query_start_loc`` are host lists, ``block_tables`` is
-    ``[num_requests, max_blocks]`` int tensor.
+    ``quire.kernels.kv_cache``); ``num_heads`` must be a multiple of ``num_kv_heads``.
     """
+    fused = plan.fused_decode
+    if fused is not None and fused.token_rows is None:  # a pure decode step: no gather, no scatter
+        return plan.decode_kernel.paged_decode(query, key_cache, value_cache, fused.block_tables,
+                                               fused.seq_lens, scale)
+    if len(plan.decode_groups) == 1 and not plan.prefills:
+        # a pure decode step in one group: the rows are in token order, no scatter needed
+        return _decode(query, key_cache, value_cache, plan.decode_groups[0], scale)
     output = torch.empty_like(query)
-    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
-    decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=seq_lens.__getitem__)
-    # Decodes run together, padded to the longest context; requests of similar length are grouped
-    # so that short ones do not pay for copying the long ones' padding.
-    num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
-    for group in _split(decode_rows, num_groups):
-        rows = torch.tensor(group, dtype=torch.int64)
-        token_rows = torch.tensor([query_start_loc[i] for i in group], dtype=torch.int64)
-        output[token_rows] = _decode(
-            query[token_rows], key_cache, value_cache, block_tables[rows],
-            [seq_lens[i] for i in group], scale,
-        )
-    for i, query_len in enumerate(query_lens):
-        if query_len > 1:
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            output[start:end] = _prefill_one(
-                query[start:end], key_cache, value_cache, block_tables[i], seq_lens[i], scale
-            )
+    if fused is not None:
+        output[fused.token_rows] = plan.decode_kernel.paged_decode(
+            query[fused.token_rows], key_cache, value_cache, fused.block_tables, fused.seq_lens, scale)
+    for group in plan.decode_groups:
+        output[group.token_rows] = _decode(query[group.token_rows], key_cache, value_cache, group, scale)
+    for item in plan.prefills:
+        output[item.start:item.end] = _prefill(query[item.start:item.end], key_cache, value_cache, item, scale)
     return output
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
+                    scale: float, decode_kernel=None) -> torch.Tensor:
+    """Plan and run in one call (``block_tables`` is ``[num_requests, max_blocks]``, host lists for the rest)."""
+    plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], decode_kernel)
+    return run_paged_attention(query, key_cache, value_cache, plan, scale)
 
 
 def _split(items: list[int], num_groups: int) -> list[list[int]]:
@@ -56,62 +123,61 @@ def _split(items: list[int], num_groups: int) -> list[list[int]]:
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    # [..., num_blocks_used] block ids -> [..., num_tokens, H, D]. index_select over whole blocks
-    # flattened to rows is several times faster on the CPU than advanced indexing.
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
-    flat = rows.view(*block_ids.shape[:-1], -1, *cache.shape[-2:])
-    return flat[..., :num_tokens, :, :]
-
-
-def _prefill_one(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    block_size = key_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    keys = _gather(key_cache, block_table[:num_blocks], seq_len)
-    values = _gather(value_cache, block_table[:num_blocks], seq_len)
-    query_len = query.shape[0]
-    context_len = seq_len - query_len
-    if context_len == 0:
-        mask = None
-        is_causal = True
-    else:
-        query_pos = torch.arange(context_len, seq_len)[:, None]
-        mask = torch.arange(seq_len)[None, :] <= query_pos
-        is_causal = False
-    # NOTE: 4-D inputs (a batch of one): with 3-D ones torch's CPU kernel takes a path ~10x slower.
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True,
+def _fused_decode(rows, block_tables, seq_lens, query_start_loc, num_requests) -> FusedDecode:
+    all_rows = len(rows) == num_requests  # every request decodes: query row i is request i
+    index = torch.tensor(rows, dtype=torch.int64)
+    return FusedDecode(
+        token_rows=None if all_rows else torch.tensor([query_start_loc[i] for i in rows], dtype=torch.int64),
+        block_tables=(block_tables if all_rows else block_tables[index]).to(torch.int64).contiguous(),
+        seq_lens=torch.tensor([seq_lens[i] for i in rows], dtype=torch.int64),
     )
-    return out[0].transpose(0, 1)
 
 
-def _decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    # One query per request: pad every request's context to the longest and mask the tail.
-    block_size = key_cache.shape[1]
-    max_len = max(seq_lens)
+def _decode_group(rows, block_tables, seq_lens, query_start_loc, block_size) -> DecodeGroup:
+    lens = [seq_lens[i] for i in rows]
+    max_len = max(lens)
     num_blocks = -(-max_len // block_size)
-    keys = _gather(key_cache, block_tables[:, :num_blocks], max_len)  # [B, L, Hk, D]
-    values = _gather(value_cache, block_tables[:, :num_blocks], max_len)
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    row_index = torch.tensor(rows, dtype=torch.int64)
+    block_ids = block_tables[row_index, :num_blocks].reshape(-1).to(torch.int64)
+    mask = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
+    return DecodeGroup(torch.tensor([query_start_loc[i] for i in rows], dtype=torch.int64), block_ids,
+                       num_blocks, max_len, mask[:, None, None, :])
+
+
+def _prefill_item(i, block_tables, seq_lens, query_start_loc, block_size) -> PrefillItem:
+    start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+    context_len = seq_len - (end - start)
+    mask = None
+    if context_len:
+        mask = torch.arange(seq_len)[None, :] <= torch.arange(context_len, seq_len)[:, None]
+    num_blocks = -(-seq_len // block_size)
+    return PrefillItem(start, end, block_tables[i, :num_blocks].to(torch.int64), seq_len, mask)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_rows: int, num_tokens: int) -> torch.Tensor:
+    # Whole blocks, flattened to rows: index_select is several times faster on the CPU than advanced
+    # indexing. Result: [num_rows, num_tokens, H, D].
+    blocks = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    return blocks.view(num_rows, -1, *cache.shape[-2:])[:, :num_tokens]
+
+
+def _decode(query, key_cache, value_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    batch = group.token_rows.shape[0]
+    keys = _gather(key_cache, group.block_ids, batch, group.max_len)  # [B, L, Hk, D]
+    values = _gather(value_cache, group.block_ids, batch, group.max_len)
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :],  # [B, Hq, 1, D]
-        keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True,
+        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),  # [B, H, 1 or L, D]
+        attn_mask=group.mask, scale=scale, enable_gqa=True,
     )
     return out[:, :, 0, :]
+
+
+def _prefill(query, key_cache, value_cache, item: PrefillItem, scale: float) -> torch.Tensor:
+    keys = _gather(key_cache, item.block_ids, 1, item.seq_len)
+    values = _gather(value_cache, item.block_ids, 1, item.seq_len)
+    # NOTE: 4-D inputs (a batch of one): with 3-D ones torch's CPU kernel takes a path ~10x slower.
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=item.mask, is_causal=item.mask is None, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

@@ -2,9 +2,30 @@
 
 import torch
 
+from quire.kernels import cpu_extension
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square normalisation over the last dimension.
+    """Root-mean-square normalisation over the last dimension (Quire's C++ kernel on CPUs)."""
+    kernels = cpu_extension.for_tensor(x)
+    if kernels is not None:
+        return kernels.rms_norm(x.contiguous(), None, weight, eps)[0]
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(rms_norm(x + residual), x + residual)``; the sum is taken in ``x.dtype``."""
+    kernels = cpu_extension.for_tensor(x)
+    if kernels is not None:
+        out, summed = kernels.rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+        return out, summed
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square normalisation over the last dimension, in PyTorch ops.
 
     NOTE: the statistics are computed in float32 and the result is cast back to ``x.dtype`` before the
     weight is applied; this is the order Hugging Face Llama uses, so bfloat16 results match it bit for bit.
@@ -16,9 +37,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(input_dtype)
 
 
-def fused_add_rms_norm(
+def fused_add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(rms_norm(x + residual), x + residual)``; the sum is taken in ``x.dtype``."""
+    """``fused_add_rms_norm`` in PyTorch ops."""
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return rms_norm_reference(summed, weight, eps), summed

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from quire.kernels import cpu_extension
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -72,11 +74,33 @@ def apply_rotary(
 
     The table is float32; it is cast to the activations' dtype before use, as Hugging Face does.
     """
+    cos, sin = rotary_factors(positions, cos_sin, query.dtype)
+    return rotate(query, key, cos, sin)
+
+
+def rotary_factors(positions: torch.Tensor, cos_sin: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[T, D/2]`` (contiguous) in ``dtype``: computed once per forward, used by
+    every layer."""
     half = cos_sin.shape[-1] // 2
-    table = cos_sin.index_select(0, positions).to(query.dtype)
-    cos = table[:, None, :half]
-    sin = table[:, None, half:]
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    table = cos_sin.index_select(0, positions).to(dtype)
+    return table[:, :half].contiguous(), table[:, half:].contiguous()
+
+
+def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries ``[T, Hq, D]`` and keys ``[T, Hk, D]`` by factors from ``rotary_factors``
+    (Quire's C++ kernel on CPUs)."""
+    kernels = cpu_extension.for_tensor(query)
+    if kernels is not None:
+        return kernels.rotate(query, cos, sin), kernels.rotate(key, cos, sin)
+    return rotate_reference(query, key, cos, sin)
+
+
+def rotate_reference(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotate`` in PyTorch ops."""
+    return _rotate(query, cos[:, None, :], sin[:, None, :]), _rotate(key, cos[:, None, :], sin[:, None, :])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,3 +20,6 @@ class AttentionMetadata:
     query_start_loc: list[int]  # num_requests + 1 offsets
     seq_lens: list[int]  # num_requests
     max_query_len: int
+    block_size: int = 16
+    # Backend-specific work done once per step for all layers (set by the backend's ``prepare``).
+    plan: object = None

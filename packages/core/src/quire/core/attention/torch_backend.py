@@ -5,14 +5,31 @@ from __future__ import annotations
 import torch
 
 from quire.core.attention.metadata import AttentionMetadata
-from quire.kernels.attention import paged_attention
+from quire.kernels.attention import plan_paged_attention, run_paged_attention
 from quire.kernels.kv_cache import write_kv_cache
 
 
 class TorchAttentionBackend:
-    """Writes new keys/values into the paged cache, then runs paged attention over it."""
+    """Writes new keys/values into the paged cache, then runs paged attention over it.
+
+    Decodes go through Quire's C++ kernel (``quire.kernels.cpu_extension``) when it is available for the
+    dtype (float32, bfloat16), reading the cache in place; prompts and the fallback use PyTorch's
+    ``scaled_dot_product_attention``.
+    """
 
     name = "torch"
+
+    def __init__(self, dtype: str = "float32", device: str = "cpu"):
+        self.decode_kernel = None
+        if device == "cpu" and dtype in ("float32", "bfloat16"):
+            from quire.kernels import cpu_extension
+
+            self.decode_kernel = cpu_extension.load()
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Once per step: plan the batch's attention (grouping, masks, block lists) for every layer."""
+        metadata.plan = plan_paged_attention(metadata.block_tables, metadata.seq_lens,
+                                             metadata.query_start_loc, metadata.block_size, self.decode_kernel)
 
     def forward(
         self,
@@ -26,7 +43,4 @@ class TorchAttentionBackend:
         """``query [T, Hq, D]``, ``key``/``value [T, Hk, D]``; ``kv_cache`` as in ``quire.kernels.kv_cache``."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        return paged_attention(
-            query, key_cache, value_cache, metadata.block_tables,
-            metadata.seq_lens, metadata.query_start_loc, scale,
-        )
+        return run_paged_attention(query, key_cache, value_cache, metadata.plan, scale)

@@ -10,6 +10,7 @@ from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
 from quire.core.sched.kv_cache_manager import KVCacheManager
 from quire.core.sched.scheduler import Scheduler
+from quire.core.timing import StepTimings
 from quire.core.wire import EngineCoreOutputs, EngineCoreRequest
 from quire.core.worker.kv_cache import num_kv_blocks
 
@@ -35,6 +36,7 @@ class EngineCore:
         if self.faults.enabled:
             logger.warning("test fault injection is enabled: %s", self.faults)
         self.num_steps = 0
+        self.timings = StepTimings()
         logger.info("engine ready: %s, %d KV blocks of %d tokens", config.model.architecture,
                     self.num_blocks, config.cache.block_size)
 
@@ -66,6 +68,13 @@ class EngineCore:
         return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
                 "num_blocks": self.num_blocks, "num_steps": self.num_steps}
 
+    def get_step_timings(self, reset: bool = False) -> dict:
+        """Seconds per phase (schedule, prepare_inputs, forward, sampling, update) and the number of steps."""
+        snapshot = self.timings.snapshot()
+        if reset:
+            self.timings.reset()
+        return snapshot
+
     def check_idle_invariants(self) -> bool:
         """With no request in flight, nothing may be left behind: raise AssertionError if it is."""
         scheduler = self.scheduler
@@ -92,9 +101,14 @@ class EngineCore:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
         self.num_steps += 1
         self.faults.before_step(self.num_steps)
+        timings = self.timings
+        timings.start()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute(scheduler_output)
+        timings.mark("schedule")
+        runner_output = self.model_runner.execute(scheduler_output, timings)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_if_idle()
+        timings.mark("update")
+        timings.num_steps += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())

@@ -37,7 +37,7 @@ from quire.core.wire import (
 
 logger = logging.getLogger(__name__)
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_idle_invariants"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_idle_invariants", "get_step_timings"})
 _SHUTDOWN = object()  # wakes the busy loop to stop
 _PARENT_POLL_SECONDS = 0.5
 

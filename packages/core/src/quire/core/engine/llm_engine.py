@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -74,6 +75,11 @@ class LLMEngine:
                                               config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler_stats: SchedulerStats | None = None
+        self.reset_frontend_timings()
+
+    def reset_frontend_timings(self) -> None:
+        """Seconds this process spent waiting for engine outputs and turning them into RequestOutputs."""
+        self.frontend_timings = {"waiting": 0.0, "output_processing": 0.0}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -121,12 +127,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs it produced."""
+        started = time.perf_counter()
         engine_outputs = self.engine_core.get_output()
+        received = time.perf_counter()
         if engine_outputs.scheduler_stats is not None:
             self.scheduler_stats = engine_outputs.scheduler_stats
         request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
+        self.frontend_timings["waiting"] += received - started
+        self.frontend_timings["output_processing"] += time.perf_counter() - received
         return request_outputs
 
     def reset_prefix_cache(self) -> bool:

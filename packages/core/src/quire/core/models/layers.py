@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quire.core.config import RopeConfig
+from quire.kernels import linear as linear_ops
 from quire.kernels.norm import fused_add_rms_norm, rms_norm
-from quire.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from quire.kernels.rotary import rope_cos_sin, rope_inv_freq, rotary_factors
 
 
 class Linear(nn.Module):
@@ -20,9 +21,16 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Reorder the loaded weight for the fastest matrix multiply the device has (a no-op if none)."""
+        if linear_ops.can_prepack(self.weight):
+            self.packed_weight = linear_ops.prepack(self.weight)
+            self.weight = None  # the packed copy replaces it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class Embedding(nn.Module):
@@ -62,5 +70,6 @@ class RotaryEmbedding(nn.Module):
         )
         self.register_buffer("cos_sin", rope_cos_sin(inv_freq, max_positions), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return apply_rotary(positions, query, key, self.cos_sin)
+    def factors(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``(cos, sin)`` for this step's positions, shared by every layer."""
+        return rotary_factors(positions, self.cos_sin, dtype)

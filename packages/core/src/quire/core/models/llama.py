@@ -16,11 +16,13 @@ from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
 from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from quire.kernels import linear as linear_ops
 from quire.kernels.activation import silu_and_mul
+from quire.kernels.rotary import rotate
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -32,11 +34,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(-1, self.num_heads, self.head_dim)
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(positions, query, key)
+        query, key = rotate(query, key, *rotary)
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -60,20 +61,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, dtype)
+        self.self_attn = LlamaAttention(config, backend, dtype)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual, kv_cache, metadata):
+    def forward(self, rotary, hidden, residual, kv_cache, metadata):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -84,16 +85,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, dtype)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary.factors(positions, hidden.dtype)  # once per step, for every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -108,14 +109,25 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype))
+        self._tied_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear_ops.linear(hidden, self.model.embed_tokens.weight, None, self._tied_head_packed).float()
+
+    def prepack(self) -> None:
+        """After loading: reorder linear weights for the device's fastest matrix multiply."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        embedding = self.model.embed_tokens.weight
+        if self.lm_head is None and linear_ops.can_prepack(embedding):
+            self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays plain
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (fused) parameters; fail if any parameter is left unset."""

@@ -39,6 +39,7 @@ class TinyModelSpec:
     head_dim: int | None = None
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     init_std: float = 0.15
     logit_std: float = 6.0  # the LM head is rescaled so logits have about this spread
@@ -84,9 +85,11 @@ def build_checkpoint(folder: str | Path, spec: TinyModelSpec, tokenizer=None) ->
     if spec.rope_scaling:
         extra["rope_scaling"] = dict(spec.rope_scaling)
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    extra["rope_theta"] = spec.rope_theta
     config = AutoConfig.for_model(
         spec.model_type,
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+        # the model may have more embedding rows than the tokenizer has tokens (like Qwen's padding)
+        vocab_size=max(spec.vocab_size, len(tokenizer)), hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,

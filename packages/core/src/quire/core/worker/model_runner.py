@@ -13,11 +13,20 @@ from quire.core.config import EngineConfig
 from quire.core.models import get_model_class
 from quire.core.models.weights import iterate_weights
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from quire.core.timing import StepTimings
 from quire.core.wire import Logprobs
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
+
+
+class _NoTimings:
+    def mark(self, phase: str) -> None:
+        pass
+
+
+_NO_TIMINGS = _NoTimings()
 
 
 @dataclasses.dataclass
@@ -40,9 +49,10 @@ class ModelRunner:
         self.config = config
         model_config = config.model
         self.block_size = config.cache.block_size
-        backend = get_attention_backend("torch")()
-        self.model = get_model_class(model_config.architecture)(model_config, backend)
+        self.attn_backend = get_attention_backend("torch")(model_config.dtype, config.device)
+        self.model = get_model_class(model_config.architecture)(model_config, self.attn_backend)
         self.model.load_weights(iterate_weights(model_config.path))
+        self.model.prepack()
         self.model.eval()
         max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, model_config.max_model_len,
@@ -55,21 +65,27 @@ class ModelRunner:
                                             self.config.device)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, timings: StepTimings | None = None) -> ModelRunnerOutput:
+        timings = timings or _NO_TIMINGS
         self._update_batch(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
+        timings.mark("prepare_inputs")
         hidden = self.model(inputs.input_ids, torch.from_numpy(inputs.positions), self.kv_caches,
                             inputs.attn_metadata)
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
+        logits = None
         if len(inputs.sampling_rows):
-            self._sample(inputs, hidden, output)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        timings.mark("forward")
+        if logits is not None:
+            self._sample(inputs, logits, output)
+        timings.mark("sampling")
         return output
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         batch = self.input_batch
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
         sampled = self.sampler(logits, metadata)
         tokens = sampled.token_ids.numpy()
@@ -136,7 +152,9 @@ class ModelRunner:
             query_start_loc=query_start_loc.tolist(),
             seq_lens=seq_lens.tolist(),
             max_query_len=int(counts.max()),
+            block_size=self.block_size,
         )
+        self.attn_backend.prepare(metadata)
         return StepInputs(
             input_ids=torch.from_numpy(input_ids.astype(np.int64)),
             positions=positions,

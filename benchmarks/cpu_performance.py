@@ -1,0 +1,301 @@
+"""Quire against transformers on the CPU, side by side in one run, on locally built checkpoints.
+
+Sections (``--sections``, all by default):
+
+- ``throughput``: offline throughput on the tiny (~7M) checkpoint (64 requests, prompts and outputs of
+  32-256 tokens) and the small (Qwen2.5-0.5B-shaped) one (32 requests, 128 + 128 tokens): Quire against
+  transformers' padded batched ``generate`` and continuous-batching ``generate_batch``, with Quire's
+  per-step time breakdown;
+- ``decode``: batch-1 decode on the small checkpoint, with the memory-bandwidth bound;
+- ``ttft``: time to first token for 128-4096-token prompts (small checkpoint);
+- ``serving``: ``quire serve`` driven by 1-64 concurrent streaming clients, against offline throughput
+  on the same workload;
+- ``scaling``: throughput against batch size, KV-cache bytes per token and capacity.
+
+All tables print as Markdown (docs/performance.md holds the last run). transformers' throughput counts
+only the output tokens the requests asked for: its padded batch runs to the longest output.
+
+    python benchmarks/cpu_performance.py [--sections throughput,decode] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+from common import bench_checkpoint, workload
+
+from quire.cli.bench_offline import hf_throughput
+
+SECTIONS = ("throughput", "decode", "ttft", "serving", "scaling")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "quire-bench",
+                        help="where the checkpoints are built once and kept")
+    return parser.parse_args()
+
+
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(_cell(value) for value in row) + " |")
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+# -- Quire runs ------------------------------------------------------------------------------------
+
+def quire_llm(path, **kwargs):
+    from quire.offline import LLM
+
+    return LLM(str(path), dtype="bfloat16", **kwargs)
+
+
+def quire_run(llm, requests) -> tuple[float, dict]:
+    """One timed run on a cold prefix cache; returns (seconds, per-step breakdown)."""
+    from quire.offline import SamplingParams
+
+    prompts = [prompt for prompt, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    engine = llm.llm_engine
+    assert llm.reset_prefix_cache()
+    engine.engine_core.call_utility("get_step_timings", True)
+    engine.reset_frontend_timings()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
+    breakdown = engine.engine_core.call_utility("get_step_timings")
+    breakdown.update(engine.frontend_timings)
+    breakdown["wall"] = elapsed
+    return elapsed, breakdown
+
+
+def quire_throughput(path, requests, repeats=2) -> tuple[float, dict]:
+    llm = quire_llm(path, max_num_seqs=len(requests))
+    llm.generate([requests[0][0]], use_tqdm=False)  # warm-up
+    runs = [quire_run(llm, requests) for _ in range(repeats)]
+    llm.shutdown()
+    return min(runs, key=lambda run: run[0])
+
+
+def hf_generate_batch(path, requests) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    config = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    batching = ContinuousBatchingConfig(num_blocks=512, page_size=128, max_batch_tokens=2048)
+    start = time.perf_counter()
+    model.generate_batch([prompt for prompt, _ in requests], generation_config=config,
+                         continuous_batching_config=batching)
+    return time.perf_counter() - start
+
+
+def breakdown_rows(breakdown: dict) -> list[list]:
+    phases = ("schedule", "prepare_inputs", "forward", "sampling", "update")
+    engine_total = sum(breakdown[p] for p in phases)
+    rows = [[p, breakdown[p] * 1000 / breakdown["num_steps"], 100 * breakdown[p] / engine_total] for p in phases]
+    rows.append(["engine step (sum)", engine_total * 1000 / breakdown["num_steps"], 100.0])
+    rows.append(["front end: output processing + detokenization (other process)",
+                 breakdown["output_processing"] * 1000 / breakdown["num_steps"],
+                 100 * breakdown["output_processing"] / engine_total])
+    rows.append(["front end: waiting for the engine (IPC and engine time)",
+                 breakdown["waiting"] * 1000 / breakdown["num_steps"], 100 * breakdown["waiting"] / engine_total])
+    return rows
+
+
+# -- sections ----------------------------------------------------------------------------------------
+
+def section_throughput(tiny: Path, small: Path) -> None:
+    cases = [("tiny", tiny, workload(tiny, 64, (32, 256), (32, 256))),
+             ("small", small, workload(small, 32, (128, 128), (128, 128)))]
+    for name, path, requests in cases:
+        tokens = sum(n for _, n in requests)
+        quire_time, breakdown = quire_throughput(path, requests)
+        generate_time = hf_throughput(str(path), requests, "bfloat16", len(requests))
+        batch_time = hf_generate_batch(str(path), requests)
+        rows = [["Quire", quire_time, tokens / quire_time, generate_time / quire_time, batch_time / quire_time],
+                ["transformers generate (padded)", generate_time, tokens / generate_time, 1.0,
+                 batch_time / generate_time],
+                ["transformers generate_batch", batch_time, tokens / batch_time, generate_time / batch_time, 1.0]]
+        table(f"Offline throughput, {name} checkpoint, {len(requests)} requests, bfloat16",
+              ["engine", "seconds", "output tok/s", "x generate", "x generate_batch"], rows)
+        table(f"Quire per-step breakdown, {name} checkpoint ({breakdown['num_steps']} steps)",
+              ["phase", "ms per step", "% of engine step"], breakdown_rows(breakdown))
+
+
+def section_decode(small: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quire.offline import SamplingParams
+
+    prompt = [random.Random(0).randrange(3, 7000) for _ in range(32)]
+    new_tokens = 64
+    llm = quire_llm(small, max_num_seqs=4)
+    llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    times = out.metrics.token_times
+    quire_rate = (len(times) - 1) / (times[-1] - times[0])
+    llm.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(small, dtype=torch.bfloat16)
+    ids = torch.tensor([prompt])
+
+    def hf_time(n):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    hf_time(2)
+    hf_rate = (new_tokens - 1) / (hf_time(new_tokens) - hf_time(1))  # decode only, prefill subtracted
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    bandwidth = stream_bandwidth()
+    bound = bandwidth / weight_bytes
+    table("Batch-1 decode, small checkpoint, bfloat16",
+          ["engine", "tokens/s", "x transformers", "fraction of bandwidth bound"],
+          [["Quire", quire_rate, quire_rate / hf_rate, quire_rate / bound],
+           ["transformers generate", hf_rate, 1.0, hf_rate / bound]])
+    print(f"\nbandwidth bound: {bandwidth / 1e9:.1f} GB/s measured (sum over a 1 GiB tensor) / "
+          f"{weight_bytes / 1e6:.0f} MB of weights read per token = {bound:.1f} tokens/s")
+
+
+def stream_bandwidth() -> float:
+    import torch
+
+    data = torch.ones(2**28, dtype=torch.float32)  # 1 GiB, read once per sum
+    data.sum()
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        runs.append(time.perf_counter() - start)
+    return data.numel() * 4 / min(runs)
+
+
+def section_ttft(small: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quire.offline import SamplingParams
+
+    rng = random.Random(1)
+    llm = quire_llm(small, max_model_len=8192, enable_prefix_caching=False)
+    model = AutoModelForCausalLM.from_pretrained(small, dtype=torch.bfloat16)
+    rows = []
+    for length in (128, 256, 512, 1024, 2048, 4096):
+        prompt = [rng.randrange(3, 7000) for _ in range(length)]
+        llm.generate([prompt[:8]], SamplingParams(max_tokens=1), use_tqdm=False)
+        quire = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics.time_to_first_token
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        hf = time.perf_counter() - start
+        rows.append([length, quire * 1000, hf * 1000, hf / quire, length / quire])
+    llm.shutdown()
+    table("Time to first token, small checkpoint, bfloat16",
+          ["prompt tokens", "Quire ms", "transformers ms", "speed-up", "Quire prompt tok/s"], rows)
+
+
+def section_serving(tiny: Path, small: Path) -> None:
+    for name, path, prompt_len, output_len, clients in (("small", small, 128, 64, (1, 8, 32)),
+                                                        ("tiny", tiny, 128, 128, (1, 4, 16, 32, 64))):
+        rows = []
+        offline = {}
+        for concurrency in clients:
+            requests = workload(path, max(2 * concurrency, 8), (prompt_len, prompt_len), (output_len, output_len))
+            summary = serve_benchmark(path, concurrency, requests)
+            if concurrency not in offline:
+                seconds, _ = quire_throughput(path, requests, repeats=1)
+                offline[concurrency] = sum(n for _, n in requests) / seconds
+            rows.append([concurrency, summary["output_throughput"], offline[concurrency],
+                         summary["output_throughput"] / offline[concurrency], summary["median_ttft_ms"],
+                         summary["p99_ttft_ms"], summary["median_itl_ms"], summary["p99_itl_ms"],
+                         summary["p99_e2el_ms"]])
+        table(f"Serving, {name} checkpoint ({prompt_len}-token prompts, {output_len} output tokens, "
+              f"2 x clients requests)",
+              ["clients", "output tok/s", "offline tok/s", "serving / offline", "median TTFT ms", "p99 TTFT ms",
+               "median ITL ms", "p99 ITL ms", "p99 E2E ms"], rows)
+
+
+def serve_benchmark(path: Path, concurrency: int, requests) -> dict:
+    import asyncio
+
+    from quire.cli.bench_serve import ServeBenchConfig, _benchmark, summarize
+
+    server = start_server(path)
+    try:
+        config = ServeBenchConfig(base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
+                                  input_len=len(requests[0][0]), output_len=requests[0][1], range_ratio=0.0,
+                                  num_prompts=len(requests), burstiness=1.0, max_concurrency=concurrency,
+                                  ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"],
+                                  metric_percentiles=[99.0], seed=0)
+        results, duration = asyncio.run(_benchmark(config, str(path), float("inf"), {}, 7000))
+        return summarize(config, float("inf"), results, duration)
+    finally:
+        server.stop()
+
+
+def start_server(path: Path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.servers import ServerProcess
+
+    return ServerProcess(str(path), "--served-model-name", str(path), "--dtype", "bfloat16")
+
+
+def section_scaling(tiny: Path, small: Path) -> None:
+    from quire.core.config import ModelConfig
+
+    for name, path, sizes in (("tiny", tiny, (1, 4, 16, 64, 256)), ("small", small, (1, 4, 16, 64))):
+        rows = []
+        llm = quire_llm(path, max_num_seqs=max(sizes))
+        for batch in sizes:
+            requests = workload(path, batch, (32, 32), (64, 64), seed=batch)
+            seconds, _ = quire_run(llm, requests)
+            rows.append([batch, batch * 64 / seconds])
+        llm.shutdown()
+        table(f"Throughput against batch size, {name} checkpoint (32-token prompts, 64 output tokens)",
+              ["requests at once", "output tok/s"], rows)
+    rows = []
+    for name, path in (("tiny", tiny), ("small", small)):
+        config = ModelConfig.from_hf(path, dtype="bfloat16")
+        per_token = config.kv_bytes_per_token
+        rows.append([name, per_token, (4 * 2**30) // per_token, (4 * 2**30) // per_token // config.max_model_len])
+    table("KV cache per token (bfloat16) and capacity of a 4 GiB budget",
+          ["checkpoint", "bytes per token", "tokens in 4 GiB", "full-length sequences"], rows)
+
+
+def main() -> None:
+    args = parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    tiny = bench_checkpoint(args.cache_dir / "tiny", "tiny")
+    small = bench_checkpoint(args.cache_dir / "small", "small")
+    print(f"# Quire CPU performance ({time.strftime('%Y-%m-%d')})\n\ncheckpoints: {tiny}, {small}")
+    runners = {"throughput": lambda: section_throughput(tiny, small), "decode": lambda: section_decode(small),
+               "ttft": lambda: section_ttft(small), "serving": lambda: section_serving(tiny, small),
+               "scaling": lambda: section_scaling(tiny, small)}
+    for section in sections:
+        started = time.perf_counter()
+        runners[section]()
+        print(f"\n({section}: {statistics.fmean([time.perf_counter() - started]):.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Quire's C++ CPU kernels, compiled on first use with the machine's compiler and cached.
+
+The build happens once per machine and source version (in torch's extension cache, about half a minute);
+without a working compiler, or with ``QUIRE_CPU_KERNELS=0``, ``load()`` returns None and callers use the
+PyTorch path instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp")]
+
+
+@functools.cache
+def load():
+    """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``), or None when it
+    cannot be built here."""
+    if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        _put_ninja_on_path()
+        digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+        return build(name=f"quire_cpu_kernels_{digest}", sources=[str(s) for s in SOURCES],
+                     extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
+                     extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - no compiler, no headers: the torch path still works
+        logger.warning("Quire's C++ CPU kernels are unavailable (%s); using the PyTorch path", error)
+        return None
+
+
+def _put_ninja_on_path() -> None:
+    # pip installs ninja's executable next to this interpreter, which may not be on PATH
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def for_tensor(x):
+    """The kernels module if it can run on ``x`` (a float32 or bfloat16 CPU tensor), else None."""
+    return load() if x.is_cpu and x.dtype in _SUPPORTED_DTYPES else None
+
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)

@@ -1,0 +1,16 @@
+// The Python module of Quire's CPU kernels.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                    double eps);
+torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding a residual");
+  m.def("rotate", &rotate, "rotary embedding (rotate-half layout)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}
