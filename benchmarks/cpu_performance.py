@@ -2,15 +2,16 @@
 
 Sections (``--sections``, all by default):
 
-- ``throughput``: offline throughput on the tiny (~7M) checkpoint (64 requests, prompts and outputs of
-  32-256 tokens) and the small (Qwen2.5-0.5B-shaped) one (32 requests, 128 + 128 tokens): Quire against
-  transformers' padded batched ``generate`` and continuous-batching ``generate_batch``, with Quire's
-  per-step time breakdown;
+- ``throughput``: offline throughput on the tiny (~7M) checkpoint and quire-demo (64 requests, prompts
+  and outputs of 32-256 tokens) and the small (Qwen2.5-0.5B-shaped) one (32 requests, 128 + 128 tokens):
+  Quire against transformers' padded batched ``generate`` and continuous-batching ``generate_batch``,
+  with Quire's per-step time breakdown;
 - ``decode``: batch-1 decode on the small checkpoint, with the memory-bandwidth bound;
 - ``ttft``: time to first token for 128-4096-token prompts (small checkpoint);
 - ``serving``: ``quire serve`` driven by 1-64 concurrent streaming clients, against offline throughput
   on the same workload;
-- ``scaling``: throughput against batch size, KV-cache bytes per token and capacity.
+- ``scaling``: throughput against batch size (with the per-step breakdown at batch 64 on the small
+  checkpoint), KV-cache bytes per token and capacity.
 
 All tables print as Markdown (docs/performance.md holds the last run). transformers' throughput counts
 only the output tokens the requests asked for: its padded batch runs to the longest output.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -83,8 +83,8 @@ def quire_run(llm, requests) -> tuple[float, dict]:
     return elapsed, breakdown
 
 
-def quire_throughput(path, requests, repeats=2) -> tuple[float, dict]:
-    llm = quire_llm(path, max_num_seqs=len(requests))
+def quire_throughput(path, requests, repeats=2, max_num_seqs=None) -> tuple[float, dict]:
+    llm = quire_llm(path, max_num_seqs=max_num_seqs or len(requests))
     llm.generate([requests[0][0]], use_tqdm=False)  # warm-up
     runs = [quire_run(llm, requests) for _ in range(repeats)]
     llm.shutdown()
@@ -121,7 +121,11 @@ def breakdown_rows(breakdown: dict) -> list[list]:
 # -- sections ----------------------------------------------------------------------------------------
 
 def section_throughput(tiny: Path, small: Path) -> None:
+    from quire.core.demo import demo_model_path
+
+    demo = demo_model_path()
     cases = [("tiny", tiny, workload(tiny, 64, (32, 256), (32, 256))),
+             ("quire-demo", demo, workload(demo, 64, (32, 256), (32, 256))),
              ("small", small, workload(small, 32, (128, 128), (128, 128)))]
     for name, path, requests in cases:
         tokens = sum(n for _, n in requests)
@@ -213,51 +217,63 @@ def section_ttft(small: Path) -> None:
 
 
 def section_serving(tiny: Path, small: Path) -> None:
-    for name, path, prompt_len, output_len, clients in (("small", small, 128, 64, (1, 8, 32)),
-                                                        ("tiny", tiny, 128, 128, (1, 4, 16, 32, 64))):
+    """Closed-loop streaming clients against ``quire serve`` (each sends its next request when the last
+    one ends; 2 x clients requests), and the same requests offline: capped at the same number in flight
+    (what the server can reach at best, so the ratio is the cost of HTTP, streaming and IPC) and all at
+    once (a bigger batch than the clients can form)."""
+    cases = (("small", small, 64, (1, 8, 32, 64), ()),
+             ("tiny", tiny, 128, (1, 4, 16, 32, 64), ()),
+             ("tiny", tiny, 128, (32,), ("--num-threads", "1")))
+    for name, path, output_len, clients, server_args in cases:
         rows = []
-        offline = {}
         for concurrency in clients:
-            requests = workload(path, max(2 * concurrency, 8), (prompt_len, prompt_len), (output_len, output_len))
-            summary = serve_benchmark(path, concurrency, requests)
-            if concurrency not in offline:
-                seconds, _ = quire_throughput(path, requests, repeats=1)
-                offline[concurrency] = sum(n for _, n in requests) / seconds
-            rows.append([concurrency, summary["output_throughput"], offline[concurrency],
-                         summary["output_throughput"] / offline[concurrency], summary["median_ttft_ms"],
-                         summary["p99_ttft_ms"], summary["median_itl_ms"], summary["p99_itl_ms"],
-                         summary["p99_e2el_ms"]])
-        table(f"Serving, {name} checkpoint ({prompt_len}-token prompts, {output_len} output tokens, "
-              f"2 x clients requests)",
-              ["clients", "output tok/s", "offline tok/s", "serving / offline", "median TTFT ms", "p99 TTFT ms",
-               "median ITL ms", "p99 ITL ms", "p99 E2E ms"], rows)
+            requests = workload(path, max(2 * concurrency, 8), (128, 128), (output_len, output_len))
+            summary = serve_benchmark(path, concurrency, requests, server_args)
+            tokens = sum(n for _, n in requests)
+            capped = tokens / quire_throughput(path, requests, repeats=1, max_num_seqs=concurrency)[0]
+            at_once = tokens / quire_throughput(path, requests, repeats=1)[0]
+            served = summary["output_throughput"]
+            rows.append([concurrency, served, capped, served / capped, at_once, served / at_once,
+                         summary["median_ttft_ms"], summary["p99_ttft_ms"], summary["median_itl_ms"],
+                         summary["p99_itl_ms"], summary["p99_e2el_ms"]])
+        flags = f", server {' '.join(server_args)}" if server_args else ""
+        table(f"Serving, {name} checkpoint{flags} (128-token prompts, {output_len} output tokens, "
+              f"2 x clients requests, at least 8)",
+              ["clients", "served tok/s", "offline, same cap", "served / offline", "offline, all at once",
+               "served / all at once", "median TTFT ms", "p99 TTFT ms", "median ITL ms", "p99 ITL ms",
+               "p99 E2E ms"], rows)
 
 
-def serve_benchmark(path: Path, concurrency: int, requests) -> dict:
+def serve_benchmark(path: Path, concurrency: int, requests, server_args=()) -> dict:
     import asyncio
 
     from quire.cli.bench_serve import ServeBenchConfig, _benchmark, summarize
 
-    server = start_server(path)
+    def config(num_prompts: int, output_len: int):
+        return ServeBenchConfig(base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
+                                input_len=len(requests[0][0]), output_len=output_len, range_ratio=0.0,
+                                num_prompts=num_prompts, burstiness=1.0, max_concurrency=concurrency,
+                                ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"],
+                                metric_percentiles=[99.0], seed=0)
+
+    server = start_server(path, server_args)
     try:
-        config = ServeBenchConfig(base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
-                                  input_len=len(requests[0][0]), output_len=requests[0][1], range_ratio=0.0,
-                                  num_prompts=len(requests), burstiness=1.0, max_concurrency=concurrency,
-                                  ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"],
-                                  metric_percentiles=[99.0], seed=0)
-        results, duration = asyncio.run(_benchmark(config, str(path), float("inf"), {}, 7000))
-        return summarize(config, float("inf"), results, duration)
+        # warm-up: one round of short requests (the first batch of each shape is slower everywhere)
+        asyncio.run(_benchmark(config(concurrency, 2), str(path), float("inf"), {}, 7000))
+        measured = config(len(requests), requests[0][1])
+        results, duration = asyncio.run(_benchmark(measured, str(path), float("inf"), {}, 7000))
+        return summarize(measured, float("inf"), results, duration)
     finally:
         server.stop()
 
 
-def start_server(path: Path):
+def start_server(path: Path, server_args=()):
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.servers import ServerProcess
 
-    return ServerProcess(str(path), "--served-model-name", str(path), "--dtype", "bfloat16")
+    return ServerProcess(str(path), "--served-model-name", str(path), "--dtype", "bfloat16", *server_args)
 
 
 def section_scaling(tiny: Path, small: Path) -> None:
@@ -266,13 +282,18 @@ def section_scaling(tiny: Path, small: Path) -> None:
     for name, path, sizes in (("tiny", tiny, (1, 4, 16, 64, 256)), ("small", small, (1, 4, 16, 64))):
         rows = []
         llm = quire_llm(path, max_num_seqs=max(sizes))
+        breakdowns = {}
         for batch in sizes:
             requests = workload(path, batch, (32, 32), (64, 64), seed=batch)
-            seconds, _ = quire_run(llm, requests)
+            quire_run(llm, requests)  # warm-up for this batch's shapes
+            seconds, breakdowns[batch] = quire_run(llm, requests)
             rows.append([batch, batch * 64 / seconds])
         llm.shutdown()
         table(f"Throughput against batch size, {name} checkpoint (32-token prompts, 64 output tokens)",
               ["requests at once", "output tok/s"], rows)
+        if name == "small":
+            table(f"Quire per-step breakdown, small checkpoint, batch 64 ({breakdowns[64]['num_steps']} steps)",
+                  ["phase", "ms per step", "% of engine step"], breakdown_rows(breakdowns[64]))
     rows = []
     for name, path in (("tiny", tiny), ("small", small)):
         config = ModelConfig.from_hf(path, dtype="bfloat16")
@@ -294,7 +315,7 @@ def main() -> None:
     for section in sections:
         started = time.perf_counter()
         runners[section]()
-        print(f"\n({section}: {statistics.fmean([time.perf_counter() - started]):.0f} s)")
+        print(f"\n({section}: {time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

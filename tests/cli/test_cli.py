@@ -113,6 +113,7 @@ def test_bench_serve_against_a_real_server(demo_server, tmp_path):
         assert section in result.stdout
     summary = json.loads((tmp_path / "r.json").read_text())
     assert summary["completed"] == 12 and summary["total_output_tokens"] == 96
+    assert 0 < summary["median_ttft_ms"] <= summary["median_e2el_ms"] and summary["mean_itl_ms"] > 0
     assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
     sweep = runner.invoke(app, ["bench", "serve", "--base-url", demo_server.base_url, "--num-prompts", "6",
                                 "--random-input-len", "16", "--random-output-len", "4", "--request-rates", "20,40",
@@ -150,3 +151,12 @@ def test_serve_prints_its_url_and_stops_cleanly_on_sigterm(llama_checkpoint):
         assert server.wait(timeout=30) == 0
     finally:
         server.kill()
+
+
+def test_bench_serve_times_tokens_that_decode_to_no_text():
+    from quire.cli.bench_serve import _carries_tokens
+
+    assert _carries_tokens({"index": 0, "text": "", "finish_reason": None})  # e.g. half of a UTF-8 character
+    assert _carries_tokens({"index": 0, "delta": {}, "finish_reason": None})
+    assert _carries_tokens({"index": 0, "delta": {"content": "hi"}, "finish_reason": None})
+    assert not _carries_tokens({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})

@@ -68,5 +68,9 @@ def test_a_non_streaming_client_that_times_out_is_aborted():
         assert response.status_code == 200, response.text
         state = httpx.get(server.url("/debug/state"), timeout=10).json()
         assert state["engine"]["num_running_reqs"] == 0 and state["front_end"]["tracked_requests"] == 0
+        # the aborted request ran some 30 ms steps (about half a second of them) before it was dropped
+        timings = httpx.get(server.url("/debug/step_timings"), params={"reset": "true"}, timeout=10).json()
+        assert 5 <= timings["num_steps"] < 200 and timings["forward"] > 0, timings
+        assert httpx.get(server.url("/debug/step_timings"), timeout=10).json()["num_steps"] == 0
     finally:
         assert server.stop() == 0

@@ -23,7 +23,7 @@ from tests.core.reference import reference_greedy
 def test_greedy_over_zmq_equals_in_process_and_transformers(llama_checkpoint, corpus_token_ids):
     prompts = [corpus_token_ids[i * 100:i * 100 + n] for i, n in enumerate((5, 40, 120))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    over_zmq = LLM(llama_checkpoint, dtype="float32", max_model_len=256, multiprocess=True)
+    over_zmq = LLM(llama_checkpoint, dtype="float32", max_model_len=256, multiprocess=True, num_threads=1)
     in_process = LLM(llama_checkpoint, dtype="float32", max_model_len=256, multiprocess=False)
     zmq_ids = [o.outputs[0].token_ids for o in over_zmq.generate(prompts, params, use_tqdm=False)]
     local_ids = [o.outputs[0].token_ids for o in in_process.generate(prompts, params, use_tqdm=False)]
@@ -36,6 +36,8 @@ def test_greedy_over_zmq_equals_in_process_and_transformers(llama_checkpoint, co
     assert stopped.outputs[0].finish_reason == "stop"
     assert over_zmq.llm_engine.check_idle_invariants()
     client = over_zmq.llm_engine.engine_core
+    assert client.call_utility("get_stats")["num_threads"] == 1  # in the engine process only
+    assert torch.get_num_threads() == in_process.llm_engine.engine_core.call_utility("get_stats")["num_threads"]
     pid, socket_dir = client.process.pid, Path(client._resources.socket_dir)
     assert socket_dir.is_dir()
     over_zmq.shutdown()

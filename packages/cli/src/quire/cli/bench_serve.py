@@ -138,7 +138,7 @@ async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], ou
                     now = time.perf_counter()
                     if event.get("usage"):
                         result.output_len = event["usage"]["completion_tokens"]
-                    if event.get("choices") and _has_text(event["choices"][0]):
+                    if event.get("choices") and _carries_tokens(event["choices"][0]):
                         if result.ttft == 0.0:
                             result.ttft = now - start
                         else:
@@ -152,8 +152,10 @@ async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], ou
         return result
 
 
-def _has_text(choice: dict) -> bool:
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+def _carries_tokens(choice: dict) -> bool:
+    # Every chunk but a chat stream's opening role announcement carries tokens, even when they decode
+    # to no text yet (part of a multi-byte character, or ids the tokenizer renders as nothing).
+    return "role" not in (choice.get("delta") or {})
 
 
 def summarize(config: ServeBenchConfig, rate: float, results: list[RequestResult], duration: float) -> dict:

@@ -227,3 +227,4 @@ class EngineConfig:
     device: str = "cpu"
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
     multiprocess: bool = True  # run the engine core in its own process
+    num_threads: int | None = None  # intra-op threads on CPUs; None: torch's default

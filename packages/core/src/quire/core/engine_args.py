@@ -35,6 +35,8 @@ class EngineArgs:
     multiprocess: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("QUIRE_MULTIPROCESS_ENGINE", "1") != "0")
     seed: int = 0
+    # Threads of the engine's matrix and attention kernels on CPUs (None: one per core, torch's default).
+    num_threads: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -44,6 +46,8 @@ class EngineArgs:
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
             raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
                               f"{self.kv_cache_memory}")
@@ -63,6 +67,7 @@ class EngineArgs:
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             multiprocess=self.multiprocess,
+            num_threads=self.num_threads,
         )
 
 

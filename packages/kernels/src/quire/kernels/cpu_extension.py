@@ -24,8 +24,8 @@ SOURCES = [Path(__file__).with_name("csrc") / name
 
 @functools.cache
 def load():
-    """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``), or None when it
-    cannot be built here."""
+    """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``, ``argmax_rows``),
+    or None when it cannot be built here."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     try:

@@ -44,6 +44,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         max_logprobs: int = 20,
         seed: int = 0,
+        num_threads: int | None = None,
         multiprocess: bool | None = None,
     ):
         args = EngineArgs(
@@ -53,7 +54,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold, max_logprobs=max_logprobs,
-            seed=seed,
+            seed=seed, num_threads=num_threads,
         )
         if multiprocess is not None:
             args.multiprocess = multiprocess

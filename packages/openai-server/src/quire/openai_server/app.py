@@ -150,6 +150,12 @@ def _add_debug_routes(router: FastAPI) -> None:
                                                "open_collectors": len(state.engine.collectors),
                                                "http_requests_in_flight": state.num_in_flight}}
 
+    @router.get("/debug/step_timings")
+    async def step_timings(reset: bool = False, state: ServerState = Depends(get_state)):
+        """Seconds the engine spent in each phase of its steps (schedule, prepare_inputs, forward,
+        sampling, update) and the number of steps, since start-up or the last ``?reset=true``."""
+        return await state.engine.engine_core.call_utility_async("get_step_timings", reset)
+
     @router.post("/debug/check_idle")
     async def check_idle(state: ServerState = Depends(get_state)):
         """200 if nothing is left behind (blocks, requests, runner rows, front-end state); 409 if it is."""

@@ -47,6 +47,9 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     engine.add_argument("--max-num-queued-tokens", type=int)
     engine.add_argument("--max-logprobs", type=int, default=20)
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--num-threads", type=int,
+                        help="CPU threads of the engine's kernels (default: one per core); leaving a core to the "
+                             "HTTP front end can pay for small models")
     return parser
 
 
@@ -61,7 +64,7 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_logprobs=args.max_logprobs,
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        seed=args.seed, multiprocess=True,
+        seed=args.seed, num_threads=args.num_threads, multiprocess=True,
     )
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(

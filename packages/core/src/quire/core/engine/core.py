@@ -66,7 +66,8 @@ class EngineCore:
     def get_stats(self) -> dict:
         stats = self.scheduler.make_stats()
         return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
-                "num_blocks": self.num_blocks, "num_steps": self.num_steps}
+                "num_blocks": self.num_blocks, "num_steps": self.num_steps,
+                "num_threads": self.model_runner.num_threads()}
 
     def get_step_timings(self, reset: bool = False) -> dict:
         """Seconds per phase (schedule, prepare_inputs, forward, sampling, update) and the number of steps."""

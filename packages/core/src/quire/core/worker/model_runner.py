@@ -47,6 +47,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.num_threads is not None and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)  # for the whole process: the engine core owns it
         model_config = config.model
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend("torch")(model_config.dtype, config.device)
@@ -112,8 +114,11 @@ class ModelRunner:
                 continue
             logits = self.model.compute_logits(hidden[start:start + last - first_position])
             targets = torch.from_numpy(batch.token_ids[row, first_position + 1:last + 1].astype(np.int64))
-            result[batch.req_ids[row]] = gather_logprobs(logits.log_softmax(dim=-1), targets, k)
+            result[batch.req_ids[row]] = gather_logprobs(logits.float().log_softmax(dim=-1), targets, k)
         return result
+
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
 
     def remove_requests(self, request_ids) -> None:
         for request_id in request_ids:

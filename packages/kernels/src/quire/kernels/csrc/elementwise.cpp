@@ -1,4 +1,5 @@
-// Fused element-wise kernels for CPUs: RMSNorm (with the residual add), rotary embedding, SiLU-and-multiply.
+// Fused element-wise kernels for CPUs: RMSNorm (with the residual add), rotary embedding, SiLU-and-multiply,
+// and the row-wise argmax of greedy sampling.
 //
 // Each replaces a chain of small PyTorch ops with one pass over memory, and reproduces the rounding of
 // that chain: with bfloat16 every intermediate result that PyTorch would store in bfloat16 is rounded to
@@ -6,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -34,23 +36,31 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* ne
                    int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> summed(hidden);
+    float* v = summed.data();
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * hidden;
       float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = load(xr[i]);
-        if (residual != nullptr) {
-          v = round_as(v + load(residual[r * hidden + i]), T{});  // x + residual, stored in T
-          store(new_residual + r * hidden + i, v);
+      if (residual != nullptr) {
+        const T* rr = residual + r * hidden;
+        T* nr = new_residual + r * hidden;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float sum = round_as(load(xr[i]) + load(rr[i]), T{});  // x + residual, stored in T
+          store(nr + i, sum);
+          v[i] = sum;
+          squares += sum * sum;
         }
-        summed[i] = v;
-        squares += v * v;
+      } else {
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; ++i) {
+          v[i] = load(xr[i]);
+          squares += v[i] * v[i];
+        }
       }
       const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float normalized = round_as(summed[i] * scale, T{});  // .to(input dtype)
-        store(out + r * hidden + i, load(weight[i]) * normalized);
-      }
+      T* o = out + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) store(o + i, load(weight[i]) * round_as(v[i] * scale, T{}));
     }
   });
 }
@@ -65,6 +75,7 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x + (t * heads + h) * dim;
         T* o = out + (t * heads + h) * dim;
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = load(xr[i]), x2 = load(xr[i + half]), ci = load(c[i]), si = load(s[i]);
           store(o + i, round_as(x1 * ci, T{}) - round_as(x2 * si, T{}));
@@ -77,15 +88,23 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
 
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  // split along rows and, for small batches, along the row too
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(dim / 512, 2 * at::get_num_threads() / std::max<int64_t>(rows, 1)));
+  const int64_t width = (dim + pieces - 1) / pieces;
+  at::parallel_for(0, rows * pieces, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / pieces, first = (item % pieces) * width, last = std::min(dim, first + width);
       const T* gate = x + r * 2 * dim;
       const T* up = gate + dim;
-      for (int64_t i = 0; i < dim; ++i) {
+      T* o = out + r * dim;
+#pragma omp simd
+      for (int64_t i = first; i < last; ++i) {
         const float g = load(gate[i]);
-        // in double: close enough to correctly rounded that the bfloat16 result matches PyTorch's
-        const float activated = round_as(static_cast<float>(g / (1.0 + std::exp(-static_cast<double>(g)))), T{});
-        store(out + r * dim + i, activated * load(up[i]));
+        // NOTE: in double, close enough to correctly rounded that the result is PyTorch's to the bit; a
+        // float exp's last-bit errors flipped bfloat16 greedy tokens against transformers
+        const double sigmoid_times_g = g / (1.0 + std::exp(-static_cast<double>(g)));
+        const float activated = round_as(static_cast<float>(sigmoid_times_g), T{});
+        store(o + i, activated * load(up[i]));
       }
     }
   });
@@ -146,6 +165,43 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   dispatch(input, [&](auto tag) {
     using T = decltype(tag);
     silu_mul_rows<T>(ptr<T>(input), ptr<T>(out), rows, dim);
+  });
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * width;
+      float maximum = load(row[0]);
+#pragma omp simd reduction(max : maximum)
+      for (int64_t i = 0; i < width; ++i) maximum = std::max(maximum, load(row[i]));
+      // the first index holding the maximum, as torch.max(dim) returns; 0 when every value is -inf (the
+      // reduction may have started from -FLT_MAX)
+      int64_t index = 0;
+      for (int64_t i = 0; i < width; ++i) {
+        if (load(row[i]) >= maximum) {
+          index = i;
+          break;
+        }
+      }
+      out[r] = index;
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "argmax_rows expects [rows, width]");
+  auto input = x.contiguous();
+  auto out = torch::empty({input.size(0)}, input.options().dtype(torch::kInt64));
+  dispatch(input, [&](auto tag) {
+    using T = decltype(tag);
+    argmax_rows_impl<T>(ptr<T>(input), out.data_ptr<int64_t>(), input.size(0), input.size(1));
   });
   return out;
 }

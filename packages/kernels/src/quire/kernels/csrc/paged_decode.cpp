@@ -137,6 +137,142 @@ void decode(const float* query, const T* key_cache, const T* value_cache, const 
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+// The AVX-512 bfloat16 path (head_dim a multiple of 32): one work item is one request and one KV head,
+// with the `group` query heads that share it. Scores come from `vdpbf16ps` (exact products, float32
+// sums), sixteen tokens at a time; values are accumulated in registers for up to eight query heads.
+constexpr int kTile = 16;
+
+// out[j] = sum of the lanes of v[j], for sixteen vectors.
+inline __m512 sum_lanes16(__m512 v[kTile]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // lane groups of 4 hold [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: one partial sum for each of 4 vectors
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  // lane j now holds the sum of v[j]: each step kept the vectors in order within its lanes
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+inline __m512 bf16_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// acc[r][c] += p[r][t] * value[t][c*16 : c*16+16] for R query heads over one 32-wide slice of head_dim.
+template <int R>
+void accumulate_values(const float* probs, int64_t length, const uint16_t* const* rows, int64_t slice,
+                       float* out, int64_t head_dim) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    const __m512i packed = _mm512_loadu_si512(rows[t] + slice);
+    const __m512 lo = bf16_to_float(_mm512_castsi512_si256(packed));
+    const __m512 hi = bf16_to_float(_mm512_extracti64x4_epi64(packed, 1));
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * length + t]);
+      acc[r][0] = _mm512_fmadd_ps(p, lo, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(p, hi, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * head_dim + slice, acc[r][0]);
+    _mm512_storeu_ps(out + r * head_dim + slice + 16, acc[r][1]);
+  }
+}
+
+using AccumulateFn = void (*)(const float*, int64_t, const uint16_t* const*, int64_t, float*, int64_t);
+constexpr AccumulateFn kAccumulate[8] = {accumulate_values<1>, accumulate_values<2>, accumulate_values<3>,
+                                         accumulate_values<4>, accumulate_values<5>, accumulate_values<6>,
+                                         accumulate_values<7>, accumulate_values<8>};
+
+void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                        const int64_t* block_tables, const int64_t* seq_lens, float* output, int64_t num_requests,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
+  at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const uint16_t*> key_rows, value_rows;
+    std::vector<float> probs, totals;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t request = item / num_kv_heads, kv = item % num_kv_heads;
+      const int64_t length = seq_lens[request];
+      const int64_t* blocks = block_tables + request * max_blocks;
+      key_rows.resize(length);
+      value_rows.resize(length);
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t offset = blocks[t / block_size] * block_stride + (t % block_size) * token_stride + kv * head_dim;
+        key_rows[t] = key_cache + offset;
+        value_rows[t] = value_cache + offset;
+      }
+      const uint16_t* q = query + (request * num_heads + kv * group) * head_dim;
+      probs.resize(group * length);
+      totals.resize(group);
+      // scores, sixteen tokens at a time per query head
+      for (int64_t t0 = 0; t0 < length; t0 += kTile) {
+        const int count = static_cast<int>(std::min<int64_t>(kTile, length - t0));
+        if (t0 + kTile < length) {
+          const int64_t next = std::min<int64_t>(kTile, length - t0 - kTile);
+          for (int64_t j = 0; j < next; ++j) prefetch_row(key_rows[t0 + kTile + j], head_dim * 2);
+        }
+        // the values are read after every score: ask for them now, while the scores are computed
+        for (int j = 0; j < count; ++j) prefetch_row(value_rows[t0 + j], head_dim * 2);
+        for (int64_t r = 0; r < group; ++r) {
+          const uint16_t* qr = q + r * head_dim;
+          __m512 partial[kTile];
+          for (int j = 0; j < kTile; ++j) {
+            __m512 sum = _mm512_setzero_ps();
+            if (j < count) {
+              for (int64_t c = 0; c < chunks; ++c)
+                sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qr + 32 * c),
+                                       (__m512bh)_mm512_loadu_si512(key_rows[t0 + j] + 32 * c));
+            }
+            partial[j] = sum;
+          }
+          const __m512 scores = _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
+        }
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        float* s = &probs[r * length];
+        float maximum = -FLT_MAX;
+        for (int64_t t = 0; t < length; ++t) maximum = std::max(maximum, s[t]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < length; ++t) {
+          const float p = std::exp(s[t] - maximum);
+          total += p;
+          s[t] = probability_weight(p, uint16_t{});
+        }
+        totals[r] = total;
+      }
+      float* out = output + (request * num_heads + kv * group) * head_dim;
+      for (int64_t r0 = 0; r0 < group; r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, group - r0);
+        for (int64_t slice = 0; slice < head_dim; slice += 32)
+          kAccumulate[rows - 1](&probs[r0 * length], length, value_rows.data(), slice, out + r0 * head_dim, head_dim);
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        const float inverse = 1.f / totals[r];
+        for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] *= inverse;
+      }
+    }
+  });
+}
+#define QUIRE_HAVE_AVX512_BF16 1
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -144,12 +280,23 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and caches [N, B, H, D] expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  auto query_f = query.to(torch::kFloat32).contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lengths = seq_lens.to(torch::kInt64).contiguous();
   auto output = torch::empty(query.sizes(), query.options().dtype(torch::kFloat32));
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t block_size = key_cache.size(1), Hk = key_cache.size(2), max_blocks = tables.size(1);
+#ifdef QUIRE_HAVE_AVX512_BF16
+  if (key_cache.scalar_type() == torch::kBFloat16 && query.scalar_type() == torch::kBFloat16 && D % 32 == 0) {
+    auto query_bf16 = query.contiguous();
+    decode_bf16_avx512(reinterpret_cast<const uint16_t*>(query_bf16.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
+                       tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), output.data_ptr<float>(), B, H, Hk,
+                       D, block_size, max_blocks, static_cast<float>(scale));
+    return output.to(query.scalar_type());
+  }
+#endif
+  auto query_f = query.to(torch::kFloat32).contiguous();
   if (key_cache.scalar_type() == torch::kBFloat16) {
     decode(query_f.data_ptr<float>(), reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
            reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()), tables.data_ptr<int64_t>(),
