@@ -14,6 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Most tests run the engine core in-process (starting a process per LLM would add seconds each);
 # tests/core/engine_process/ exercises the process boundary explicitly (multiprocess=True).
 os.environ.setdefault("QUIRE_MULTIPROCESS_ENGINE", "0")
+# Without an NVIDIA GPU, Triton kernels run in Triton's interpreter on CPU tensors (it must be on before
+# any kernel module is imported); benchmarks/gpu_check.sh runs the same tests compiled on a GPU.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 128}

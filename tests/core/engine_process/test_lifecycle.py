@@ -123,3 +123,18 @@ def test_start_up_failures_are_quick_and_name_the_cause(llama_checkpoint, tmp_pa
     assert "failed to start" in str(info.value)
     assert time.monotonic() - started < 15
     assert engine_children() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a CUDA device this machine lacks")
+def test_async_engine_start_up_failure_names_the_cause(llama_checkpoint):
+    """A failure inside the engine process at start-up reaches AsyncLLM's caller as a ConfigError naming
+    it (and nothing is left running)."""
+    from quire.core import EngineArgs
+    from quire.core.engine.async_llm import AsyncLLM
+
+    started = time.monotonic()
+    args = EngineArgs(model=str(llama_checkpoint), device="cuda", multiprocess=True)
+    with pytest.raises(ConfigError, match="failed to start.*no CUDA device"):
+        AsyncLLM.from_engine_args(args)
+    assert time.monotonic() - started < 15
+    assert engine_children() == []

@@ -190,11 +190,14 @@ def _eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """KV cache shape and budget. ``kv_cache_memory`` is in bytes; None picks a default."""
+    """KV cache shape and budget. ``kv_cache_memory`` is in bytes; None picks a default (on CUDA devices:
+    what is left of ``gpu_memory_utilization`` of the GPU's memory after the weights and a profiled
+    forward pass)."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +227,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     tokenizer: str
     seed: int = 0
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when torch sees a GPU)
+    attention_backend: str | None = None  # None: "triton" on CUDA devices, "torch" elsewhere
+    enforce_eager: bool = False  # CUDA devices: no CUDA graphs for decode steps
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
     multiprocess: bool = True  # run the engine core in its own process
     num_threads: int | None = None  # intra-op threads on CPUs; None: torch's default

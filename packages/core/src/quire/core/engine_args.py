@@ -37,6 +37,10 @@ class EngineArgs:
     seed: int = 0
     # Threads of the engine's matrix and attention kernels on CPUs (None: one per core, torch's default).
     num_threads: int | None = None
+    device: str = "auto"  # "auto" (CUDA when available), "cpu", "cuda" or "cuda:N"
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations and KV cache
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str | None = None  # "torch" or "triton"; None picks by device
 
     def create_engine_config(self) -> EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -51,12 +55,19 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
                               f"{self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ConfigError(f"attention_backend must be torch or triton, got {self.attention_backend!r}")
         model_path = self.model if self.model is not None else str(demo_model_path())
         model = ModelConfig.from_hf(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       policy=self.scheduling_policy,
@@ -68,6 +79,9 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             multiprocess=self.multiprocess,
             num_threads=self.num_threads,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
         )
 
 

@@ -7,7 +7,12 @@ from quire.kernels import cpu_extension
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` where ``x`` is ``[..., 2 * d]`` holding ``gate`` then ``up``."""
+    """``silu(gate) * up`` where ``x`` is ``[..., 2 * d]`` holding ``gate`` then ``up`` (Quire's C++ kernel on
+    CPUs, Triton on CUDA devices)."""
+    if x.is_cuda:
+        from quire.kernels.triton_ops import elementwise
+
+        return elementwise.silu_and_mul(x)
     kernels = cpu_extension.for_tensor(x)
     if kernels is not None:
         return kernels.silu_and_mul(x)

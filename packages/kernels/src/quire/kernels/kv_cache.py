@@ -22,7 +22,24 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store ``key``/``value`` ``[T, H, D]`` at ``slot_mapping [T]`` (int64) of the caches ``[N, B, H, D]``."""
+    """Store ``key``/``value`` ``[T, H, D]`` at ``slot_mapping [T]`` (int64) of the caches ``[N, B, H, D]``
+    (a Triton kernel on CUDA devices, where a negative slot marks a padding row to skip)."""
+    if key.is_cuda:
+        from quire.kernels.triton_ops import elementwise
+
+        elementwise.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    write_kv_cache_reference(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_kv_cache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv_cache`` in PyTorch ops (every slot valid)."""
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -6,7 +6,12 @@ from quire.kernels import cpu_extension
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square normalisation over the last dimension (Quire's C++ kernel on CPUs)."""
+    """Root-mean-square normalisation over the last dimension (Quire's C++ kernel on CPUs, Triton on
+    CUDA devices)."""
+    if x.is_cuda:
+        from quire.kernels.triton_ops import elementwise
+
+        return elementwise.rms_norm(x, None, weight, eps)[0]
     kernels = cpu_extension.for_tensor(x)
     if kernels is not None:
         return kernels.rms_norm(x.contiguous(), None, weight, eps)[0]
@@ -17,6 +22,10 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(rms_norm(x + residual), x + residual)``; the sum is taken in ``x.dtype``."""
+    if x.is_cuda:
+        from quire.kernels.triton_ops import elementwise
+
+        return elementwise.rms_norm(x, residual, weight, eps)
     kernels = cpu_extension.for_tensor(x)
     if kernels is not None:
         out, summed = kernels.rms_norm(x.contiguous(), residual.contiguous(), weight, eps)

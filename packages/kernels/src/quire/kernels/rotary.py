@@ -90,7 +90,11 @@ def rotary_factors(positions: torch.Tensor, cos_sin: torch.Tensor,
 def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries ``[T, Hq, D]`` and keys ``[T, Hk, D]`` by factors from ``rotary_factors``
-    (Quire's C++ kernel on CPUs)."""
+    (Quire's C++ kernel on CPUs, Triton on CUDA devices)."""
+    if query.is_cuda:
+        from quire.kernels.triton_ops import elementwise
+
+        return elementwise.rotate(query, key, cos, sin)
     kernels = cpu_extension.for_tensor(query)
     if kernels is not None:
         return kernels.rotate(query, cos, sin), kernels.rotate(key, cos, sin)

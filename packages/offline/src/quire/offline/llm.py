@@ -45,6 +45,10 @@ class LLM:
         max_logprobs: int = 20,
         seed: int = 0,
         num_threads: int | None = None,
+        device: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        attention_backend: str | None = None,
         multiprocess: bool | None = None,
     ):
         args = EngineArgs(
@@ -54,7 +58,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold, max_logprobs=max_logprobs,
-            seed=seed, num_threads=num_threads,
+            seed=seed, num_threads=num_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, attention_backend=attention_backend,
         )
         if multiprocess is not None:
             args.multiprocess = multiprocess

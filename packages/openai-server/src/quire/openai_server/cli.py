@@ -50,6 +50,10 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     engine.add_argument("--num-threads", type=int,
                         help="CPU threads of the engine's kernels (default: one per core); leaving a core to the "
                              "HTTP front end can pay for small models")
+    engine.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of the GPU's memory for weights, activations and the KV cache")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     return parser
 
 
@@ -64,7 +68,8 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_logprobs=args.max_logprobs,
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        seed=args.seed, num_threads=args.num_threads, multiprocess=True,
+        seed=args.seed, num_threads=args.num_threads, multiprocess=True, device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
     )
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(

@@ -6,6 +6,7 @@ import importlib
 
 _BACKENDS = {
     "torch": ("quire.core.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("quire.core.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 

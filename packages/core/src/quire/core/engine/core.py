@@ -12,7 +12,6 @@ from quire.core.sched.kv_cache_manager import KVCacheManager
 from quire.core.sched.scheduler import Scheduler
 from quire.core.timing import StepTimings
 from quire.core.wire import EngineCoreOutputs, EngineCoreRequest
-from quire.core.worker.kv_cache import num_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ class EngineCore:
 
         self.config = config
         self.model_runner = ModelRunner(config)
-        self.num_blocks = num_kv_blocks(config.model, config.cache, config.scheduler.max_num_seqs)
+        self.num_blocks = self.model_runner.num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,

@@ -335,8 +335,10 @@ class AsyncMPClient(MPClient):
         raise TypeError("use call_utility_async with an asyncio engine-core client")
 
     def shutdown(self) -> None:
-        if self._reader is not None and not self._reader.done() and not self._loop.is_closed():
-            self._reader.cancel()
+        # NOTE: also called from MPClient.__init__ when the engine fails to start, before our fields exist
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not reader.done() and not self._loop.is_closed():
+            reader.cancel()
         super().shutdown()  # closes the sockets the shadows share
 
 

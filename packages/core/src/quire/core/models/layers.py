@@ -64,11 +64,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
-        inv_freq = rope_inv_freq(
-            head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
-            rope.high_freq_factor, rope.original_max_position_embeddings,
-        )
-        self.register_buffer("cos_sin", rope_cos_sin(inv_freq, max_positions), persistent=False)
+        device = torch.get_default_device()  # the model's device (ModelRunner builds it under one)
+        with torch.device("cpu"):  # NOTE: the same float32 table on every device, as transformers computes it
+            inv_freq = rope_inv_freq(
+                head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
+                rope.high_freq_factor, rope.original_max_position_embeddings,
+            )
+            table = rope_cos_sin(inv_freq, max_positions)
+        self.register_buffer("cos_sin", table.to(device), persistent=False)
 
     def factors(self, positions: torch.Tensor, dtype: torch.dtype):
         """``(cos, sin)`` for this step's positions, shared by every layer."""

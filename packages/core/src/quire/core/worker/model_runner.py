@@ -16,7 +16,9 @@ from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
 from quire.core.wire import Logprobs
 from quire.core.worker.input_batch import InputBatch
-from quire.core.worker.kv_cache import allocate_kv_caches
+from quire.core.worker.cuda_graphs import CudaGraphRunner
+from quire.core.worker.gpu_memory import profile_kv_blocks, resolve_device
+from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 
@@ -47,12 +49,15 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads is not None and config.device == "cpu":
+        self.device = resolve_device(config.device)
+        if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)  # for the whole process: the engine core owns it
         model_config = config.model
         self.block_size = config.cache.block_size
-        self.attn_backend = get_attention_backend("torch")(model_config.dtype, config.device)
-        self.model = get_model_class(model_config.architecture)(model_config, self.attn_backend)
+        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.attn_backend = get_attention_backend(backend)(model_config.dtype, str(self.device))
+        with self.device:  # parameters and buffers are created on the device
+            self.model = get_model_class(model_config.architecture)(model_config, self.attn_backend)
         self.model.load_weights(iterate_weights(model_config.path))
         self.model.prepack()
         self.model.eval()
@@ -61,10 +66,24 @@ class ModelRunner:
                                       max_blocks_per_req)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
+
+    def num_kv_blocks(self) -> int:
+        """KV blocks to allocate: from ``kv_cache_memory`` or the CPU default, or on CUDA devices from a
+        profiled forward pass and ``gpu_memory_utilization``."""
+        config = self.config
+        if self.device.type == "cuda" and config.cache.kv_cache_memory is None:
+            return profile_kv_blocks(self)
+        return num_kv_blocks(config.model, config.cache, config.scheduler.max_num_seqs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size,
-                                            self.config.device)
+        self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size, self.device)
+        if self.device.type == "cuda" and not self.config.enforce_eager and hasattr(self.attn_backend, "decode_plan"):
+            self.cuda_graphs = CudaGraphRunner(
+                self.model, self.attn_backend, self.kv_caches, self.config.scheduler.max_num_seqs,
+                self.input_batch.block_table.shape[1], self.config.model.max_model_len, self.block_size,
+                self.device)
+            self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput, timings: StepTimings | None = None) -> ModelRunnerOutput:
@@ -74,8 +93,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
         timings.mark("prepare_inputs")
-        hidden = self.model(inputs.input_ids, torch.from_numpy(inputs.positions), self.kv_caches,
-                            inputs.attn_metadata)
+        hidden = self._forward(inputs)
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
@@ -86,11 +104,20 @@ class ModelRunner:
         timings.mark("sampling")
         return output
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        metadata = inputs.attn_metadata
+        if metadata.plan is None:  # left unplanned by _prepare_inputs: a decode step for a CUDA graph
+            return self.cuda_graphs.run(inputs.input_ids, positions, metadata)
+        return self.model(inputs.input_ids, positions, self.kv_caches, metadata)
+
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         batch = self.input_batch
         metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
+        if logits.device.type != "cpu" and not metadata.plain_greedy:
+            logits = logits.float().cpu()  # NOTE: the sampler's generators and tables live on the CPU
         sampled = self.sampler(logits, metadata)
-        tokens = sampled.token_ids.numpy()
+        tokens = sampled.token_ids.cpu().numpy()
         batch.append_tokens(inputs.sampling_rows, tokens)
         for i, (row, token) in enumerate(zip(inputs.sampling_rows.tolist(), tokens.tolist())):
             request_id = batch.req_ids[row]
@@ -114,7 +141,8 @@ class ModelRunner:
                 continue
             logits = self.model.compute_logits(hidden[start:start + last - first_position])
             targets = torch.from_numpy(batch.token_ids[row, first_position + 1:last + 1].astype(np.int64))
-            result[batch.req_ids[row]] = gather_logprobs(logits.float().log_softmax(dim=-1), targets, k)
+            log_probs = logits.float().log_softmax(dim=-1).cpu()
+            result[batch.req_ids[row]] = gather_logprobs(log_probs, targets, k)
         return result
 
     def num_threads(self) -> int:
@@ -159,13 +187,15 @@ class ModelRunner:
             max_query_len=int(counts.max()),
             block_size=self.block_size,
         )
-        self.attn_backend.prepare(metadata)
+        graphs = self.cuda_graphs
+        if graphs is None or metadata.max_query_len != 1 or not graphs.can_run(len(rows)):
+            self.attn_backend.prepare(metadata)
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids.astype(np.int64)),
+            input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(self.device, non_blocking=True),
             positions=positions,
             attn_metadata=metadata,
             rows=rows,
             query_start_loc=query_start_loc,
             sampling_rows=rows[samples],
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
+            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(self.device, non_blocking=True),
         )
