@@ -216,6 +216,9 @@ class SchedulerConfig:
     # tokens accepted and not yet finished.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # Seconds a request may wait before its first step; older ones finish with "queue_timeout" (None: no
+    # limit). Preempted requests, which have started, are exempt.
+    max_queue_time: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ class EngineArgs:
     max_logprobs: int = 20
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    max_queue_time: float | None = None  # seconds a request may wait for its first step
     # The engine core in its own process; QUIRE_MULTIPROCESS_ENGINE=0 makes in-process the default.
     multiprocess: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("QUIRE_MULTIPROCESS_ENGINE", "1") != "0")
@@ -55,6 +56,8 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
                               f"{self.kv_cache_memory}")
+        if self.max_queue_time is not None and self.max_queue_time <= 0:
+            raise ConfigError(f"max_queue_time must be a positive number of seconds, got {self.max_queue_time}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
@@ -73,7 +76,8 @@ class EngineArgs:
                                       policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       max_num_queued_reqs=self.max_num_queued_reqs,
-                                      max_num_queued_tokens=self.max_num_queued_tokens),
+                                      max_num_queued_tokens=self.max_num_queued_tokens,
+                                      max_queue_time=self.max_queue_time),
             tokenizer=self.tokenizer or model_path,
             seed=self.seed,
             max_logprobs=self.max_logprobs,

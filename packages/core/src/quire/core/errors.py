@@ -26,6 +26,14 @@ class OverloadedError(QuireError):
     retry_after_seconds = 1
 
 
+class QueueTimeoutError(OverloadedError):
+    """A request waited longer than ``max_queue_time`` before it started (HTTP 503 + Retry-After)."""
+
+
+class RequestTimeoutError(QuireError):
+    """A request ran past its time limit and was aborted (HTTP 504)."""
+
+
 class EngineDeadError(QuireError):
     """The engine core stopped and cannot serve any request (HTTP 500/503)."""
 

@@ -20,6 +20,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
+    QUEUE_TIMEOUT = 4  # waited longer than max_queue_time before it started; the caller may retry
 
     def __str__(self) -> str:
         return self.name.lower()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from quire.core.errors import ValidationError
 from quire.openai_server.chat import create_chat_completion, render_messages
@@ -28,7 +28,9 @@ from quire.openai_server.protocol import (
 from quire.openai_server.serving import ServerState
 from quire.openai_server.settings import ServerSettings
 
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503, 504)}
+# with "stream": true the generation routes answer with server-sent events
+GENERATION = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _DISCONNECTED = 499  # the client went away before the answer; nobody reads this status
 
 
@@ -56,12 +58,12 @@ def get_state(request: Request) -> ServerState:
 
 
 def _add_generation_routes(router: FastAPI) -> None:
-    @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
         result = await create_completion(state, body, request)
         return Response(status_code=_DISCONNECTED) if result is None else result
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                state: ServerState = Depends(get_state)):
         result = await create_chat_completion(state, body, request)
@@ -102,7 +104,7 @@ def _add_service_routes(router: FastAPI) -> None:
     async def version(state: ServerState = Depends(get_state)):
         return {"version": state.settings.version}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics(state: ServerState = Depends(get_state)):
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 

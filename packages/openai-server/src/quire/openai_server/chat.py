@@ -52,7 +52,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                    prompt_logprobs=body.prompt_logprobs, stream=body.stream)
     rid = request_id("chatcmpl", request, body.request_id)
     collector = await engine.add_request(rid, token_ids, params, priority=body.priority,
-                                         cache_salt=body.cache_salt)
+                                         cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
     stream = engine.stream(rid, collector)
     if body.stream:
         return StreamingResponse(_stream(state, body, rid, stream, len(token_ids)), media_type="text/event-stream")

@@ -26,6 +26,9 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     server.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins allowed")
     server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
     server.add_argument("--max-request-body-bytes", type=parse_byte_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    server.add_argument("--request-timeout", type=float,
+                        help="seconds a request may take in all; past it the request is aborted (504, or an "
+                             "error event in a stream)")
     server.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="seconds in-flight requests may finish after SIGTERM (then they are aborted)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -45,6 +48,8 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     engine.add_argument("--long-prefill-token-threshold", type=int, default=0)
     engine.add_argument("--max-num-queued-reqs", type=int)
     engine.add_argument("--max-num-queued-tokens", type=int)
+    engine.add_argument("--max-queue-time", type=float,
+                        help="seconds a request may wait for the engine before it fails with 503 (retryable)")
     engine.add_argument("--max-logprobs", type=int, default=20)
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--num-threads", type=int,
@@ -68,6 +73,7 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_logprobs=args.max_logprobs,
         max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
+        max_queue_time=args.max_queue_time,
         seed=args.seed, num_threads=args.num_threads, multiprocess=True, device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
     )
@@ -76,7 +82,7 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         served_model_names=args.served_model_name or [model or DEMO_MODEL_NAME],
         host=args.host, port=args.port, api_keys=tuple(api_keys), allowed_origins=tuple(args.allowed_origins),
         chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
-        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, request_timeout=args.request_timeout,
         enable_debug_routes=args.enable_debug_routes,
     )
     return engine_args, settings

@@ -56,7 +56,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                 stream=body.stream)
             sub_id = f"{base_id}-{index}"
             collector = await engine.add_request(sub_id, token_ids, params, priority=body.priority,
-                                                 cache_salt=body.cache_salt)
+                                                 cache_salt=body.cache_salt,
+                                                 timeout=state.settings.request_timeout)
             streams.append(engine.stream(sub_id, collector))
             prompt_texts.append(text)
     except BaseException:

@@ -21,6 +21,7 @@ from quire.core.errors import (
     NotFoundError,
     OverloadedError,
     QuireError,
+    RequestTimeoutError,
     ValidationError,
 )
 
@@ -56,6 +57,8 @@ def to_api_error(error: BaseException) -> APIError:
     if isinstance(error, EngineDeadError):
         return APIError(500, "the inference engine has stopped; this server cannot serve requests",
                         type="server_error", code="engine_dead")
+    if isinstance(error, RequestTimeoutError):
+        return APIError(504, str(error), type="server_error", code="request_timeout")
     if isinstance(error, EngineGenerateError):
         return APIError(500, "the engine failed to generate for this request", type="server_error",
                         code="generation_failed")

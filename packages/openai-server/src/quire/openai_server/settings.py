@@ -19,6 +19,7 @@ class ServerSettings:
     chat_template: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout: float = 0.0  # seconds in-flight requests may finish after SIGTERM
+    request_timeout: float | None = None  # seconds a request may take in all (None: no limit)
     log_level: str = "info"
     enable_debug_routes: bool = False
     version: str = "0.1.0"

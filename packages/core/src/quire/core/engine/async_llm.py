@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 
 from quire.core.chat import Conversation, render_chat
@@ -18,7 +19,14 @@ from quire.core.engine.llm_engine import EngineMetrics, fan_out
 from quire.core.engine.output_collector import RequestOutputCollector
 from quire.core.engine.output_processor import OutputProcessor
 from quire.core.engine_args import EngineArgs
-from quire.core.errors import EngineDeadError, EngineGenerateError, OverloadedError, ValidationError
+from quire.core.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    OverloadedError,
+    QueueTimeoutError,
+    RequestTimeoutError,
+    ValidationError,
+)
 from quire.core.outputs import RequestOutput
 from quire.core.sampling_params import SamplingParams
 from quire.core.tokenizer import load_tokenizer
@@ -107,8 +115,10 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestOutputCollector:
-        """Validate, admit and send a request; return the collector its outputs will arrive in."""
+                          cache_salt: str | None = None, timeout: float | None = None) -> RequestOutputCollector:
+        """Validate, admit and send a request; return the collector its outputs will arrive in. With a
+        ``timeout`` (seconds), ``stream`` aborts the request and raises ``RequestTimeoutError`` once it
+        has run that long."""
         self.check_health()
         self._start_output_handler()
         if self.output_processor.is_in_flight(request_id):
@@ -120,7 +130,10 @@ class AsyncLLM:
         else:
             request, prompt_text = process[0](*process[1:])
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
-        collector = RequestOutputCollector(params.output_kind)
+        if timeout is not None and timeout <= 0:
+            raise ValidationError(f"timeout must be positive, got {timeout}", param="timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        collector = RequestOutputCollector(params.output_kind, deadline)
         engine_requests = fan_out(self.output_processor, request, prompt_text)
         self.collectors[request_id] = collector
         try:
@@ -132,12 +145,14 @@ class AsyncLLM:
         return collector
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises ``ValidationError`` for bad input,
-        ``OverloadedError`` when at capacity, ``EngineGenerateError`` if the engine failed the request
-        and ``EngineDeadError`` if the engine died."""
+        ``OverloadedError`` when at capacity (``QueueTimeoutError`` when it waited past
+        ``max_queue_time``), ``RequestTimeoutError`` past ``timeout`` seconds, ``EngineGenerateError`` if
+        the engine failed the request and ``EngineDeadError`` if the engine died."""
         collector = await self.add_request(request_id, prompt, params, priority=priority,
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, timeout=timeout)
         async for output in self.stream(request_id, collector):
             yield output
 
@@ -147,10 +162,14 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                output = collector.get_nowait() or await collector.get()
+                output = collector.get_nowait() or await self._next_output(request_id, collector)
                 finished = output.finished
-                if finished and any(c.finish_reason == "error" for c in output.outputs):
+                reasons = {c.finish_reason for c in output.outputs} if finished else set()
+                if "error" in reasons:
                     raise EngineGenerateError(f"the engine failed request {request_id!r}")
+                if "queue_timeout" in reasons:
+                    raise QueueTimeoutError(f"request {request_id!r} waited longer than max_queue_time for the "
+                                            "engine; retry later")
                 yield output
         except (asyncio.CancelledError, GeneratorExit):
             self._abort_now([request_id])
@@ -171,6 +190,15 @@ class AsyncLLM:
         self._record_stats()
         if engine_ids and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(engine_ids)
+
+    async def _next_output(self, request_id: str, collector: RequestOutputCollector) -> RequestOutput:
+        if collector.deadline is None:
+            return await collector.get()
+        try:
+            return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
+        except TimeoutError:
+            self._abort_now([request_id])
+            raise RequestTimeoutError(f"request {request_id!r} ran past its time limit and was aborted") from None
 
     def _abort_now(self, request_ids: list[str]) -> None:
         """Abort without awaiting (for a consumer that is gone): the message is sent by a task."""

@@ -40,6 +40,7 @@ class EngineCore:
                     self.num_blocks, config.cache.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.faults.check_request(request.request_id)
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
@@ -106,6 +107,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         timings.mark("schedule")
         runner_output = self.model_runner.execute(scheduler_output, timings)
+        self.faults.rewrite_samples(runner_output.sampled_token_ids, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_if_idle()
         timings.mark("update")

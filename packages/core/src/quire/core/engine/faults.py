@@ -3,7 +3,13 @@
 Production never sets it. The value is comma-separated ``name=value`` pairs:
 
 - ``fail_after_steps=N``: the engine core raises during its N-th step (the engine dies);
-- ``step_delay_ms=N``: every engine step sleeps N milliseconds first (to hold requests in flight).
+- ``step_delay_ms=N``: every engine step sleeps N milliseconds first (to hold requests in flight);
+- ``fail_request=TEXT``: a request whose id contains TEXT fails on arrival (that request alone: the engine
+  stays up and the others go on);
+- ``script_output=ID.ID.ID``: every request's output is these token ids in turn (then the last one again),
+  whatever the model samples, so tests can put chosen text (split multi-byte characters, stop strings
+  across tokens) through the whole output path. The model still computes on its own samples, so the
+  prefix cache of such an engine is not to be trusted.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ class InjectedFault(RuntimeError):
 class Faults:
     fail_after_steps: int | None = None
     step_delay_ms: float = 0.0
+    fail_request: str | None = None
+    script_output: tuple[int, ...] = ()
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -36,11 +44,29 @@ class Faults:
         return cls(
             fail_after_steps=int(values["fail_after_steps"]) if "fail_after_steps" in values else None,
             step_delay_ms=float(values.get("step_delay_ms", 0.0)),
+            fail_request=values.get("fail_request") or None,
+            script_output=tuple(int(i) for i in values.get("script_output", "").split(".") if i),
         )
 
     @property
     def enabled(self) -> bool:
         return self != Faults()
+
+    def check_request(self, request_id: str) -> None:
+        if self.fail_request is not None and self.fail_request in request_id:
+            raise InjectedFault(f"fault injected by {ENV_VAR} for request {request_id!r}")
+
+    def rewrite_samples(self, sampled_token_ids: dict[str, list[int]], requests: dict) -> None:
+        """Replace each request's sampled tokens by the script at its output position."""
+        if not self.script_output:
+            return
+        last = len(self.script_output) - 1
+        for request_id, token_ids in sampled_token_ids.items():
+            request = requests.get(request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            start = request.num_output_tokens
+            token_ids[:] = [self.script_output[min(start + i, last)] for i in range(len(token_ids))]
 
     def before_step(self, step_number: int) -> None:
         if self.step_delay_ms:

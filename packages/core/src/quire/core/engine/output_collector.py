@@ -14,8 +14,11 @@ from quire.core.sampling_params import RequestOutputKind
 
 
 class RequestOutputCollector:
-    def __init__(self, output_kind: RequestOutputKind):
+    """``deadline``: the ``time.monotonic()`` by which the request must finish (None: no limit)."""
+
+    def __init__(self, output_kind: RequestOutputKind, deadline: float | None = None):
         self.output_kind = output_kind
+        self.deadline = deadline
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
 

@@ -162,8 +162,8 @@ class OutputProcessor:
         if not output.new_token_ids:
             if output.finished:  # finished without a token: an engine-side error
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
-                logger.warning("request %s failed in the engine: %s", output.request_id,
-                               output.error_message)
+                logger.warning("request %s ended in the engine without output (%s): %s", output.request_id,
+                               output.finish_reason, output.error_message)
             return
         if metrics.first_token_time is None:
             metrics.first_token_time = now

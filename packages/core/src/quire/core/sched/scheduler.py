@@ -10,7 +10,8 @@ is preempted by recompute: its blocks are freed and it goes back to the waiting 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from quire.core.config import SchedulerConfig
 from quire.core.request import Request, RequestStatus
@@ -29,8 +30,10 @@ from quire.core.wire import EngineCoreOutput, EventType, SchedulerStats
 class Scheduler:
     """Owns the waiting queue, the running list and every request's KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.time):
         self.config = config
+        self.clock = clock  # the clock of Request.arrival_time (wall time, shared by the processes)
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -39,6 +42,7 @@ class Scheduler:
         self._removed_request_ids: set[str] = set()
         self.num_preemptions = 0
         self._last_num_scheduled_tokens = 0
+        self._timed_out: list[EngineCoreOutput] = []
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -75,6 +79,8 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.config.max_queue_time is not None:
+            self._expire_waiting(self.clock() - self.config.max_queue_time)
         step = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
@@ -89,6 +95,17 @@ class Scheduler:
         """Ids finished or preempted since the last call, which the model runner must drop."""
         removed, self._removed_request_ids = self._removed_request_ids, set()
         return removed
+
+    def _expire_waiting(self, oldest_allowed: float) -> None:
+        expired = [r for r in self.waiting if r.status == RequestStatus.WAITING and r.arrival_time < oldest_allowed]
+        for request in expired:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_QUEUE_TIMEOUT
+            self._free(request)
+            self._timed_out.append(EngineCoreOutput(
+                request.request_id, [], request.status.finish_reason, events=request.take_events(),
+                error_message=f"the request waited more than max_queue_time={self.config.max_queue_time:g} s "
+                              "for its first step"))
 
     def _schedule_running(self, step: _StepPlan) -> None:
         index = 0
@@ -152,8 +169,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, decide stops, free finished requests; return per-request outputs."""
-        outputs = []
+        """Append sampled tokens, decide stops, free finished requests; return per-request outputs (and
+        those of requests that timed out in the queue during ``schedule``)."""
+        outputs, self._timed_out = self._timed_out, []
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
