@@ -1,7 +1,12 @@
 """What the process boundary costs: offline throughput of ``LLM`` with the engine core in-process and
-in its own process (ZMQ + msgspec), on the same workload and checkpoint, alternating runs.
+in its own process (ZMQ + msgspec), on the same workload and checkpoint, alternating runs; the ratio is
+the median of the paired runs' ratios.
 
-    python benchmarks/engine_process_overhead.py [--checkpoint DIR]
+With the engine's threads on every core, the front end's work (receiving, detokenizing) in the other
+process competes with them; ``--num-threads N`` sets the engine's threads (for example one fewer than
+the cores).
+
+    python benchmarks/engine_process_overhead.py [--checkpoint DIR] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--num-threads", type=int, help="the engine's CPU threads (default: one per core)")
     parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
     return parser.parse_args()
 
@@ -36,7 +42,8 @@ def main() -> None:
         prompts = [prompt for prompt, _ in requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
         num_tokens = sum(n for _, n in requests)
-        engines = {name: LLM(folder, dtype=args.dtype, max_num_seqs=len(requests), multiprocess=mp)
+        engines = {name: LLM(folder, dtype=args.dtype, max_num_seqs=len(requests), multiprocess=mp,
+                             num_threads=args.num_threads)
                    for name, mp in (("in-process", False), ("own process", True))}
         times = {name: [] for name in engines}
         for llm in engines.values():
@@ -48,11 +55,13 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         for llm in engines.values():
             llm.shutdown()
-    print(f"{len(requests)} requests, {num_tokens} output tokens, {args.dtype}, median of {args.repeats}")
+    threads = args.num_threads or "one per core"
+    print(f"{len(requests)} requests, {num_tokens} output tokens, {args.dtype}, engine threads: {threads}, "
+          f"median of {args.repeats}")
     rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
     for name, rate in rates.items():
         print(f"engine core {name:12s} {rate:10.1f} output tok/s")
-    ratio = rates["own process"] / rates["in-process"]
+    ratio = statistics.median(a / b for a, b in zip(times["in-process"], times["own process"]))
     print(f"own process / in-process: {ratio:.3f}x (boundary cost {max(0.0, 1 - ratio) * 100:.1f}%)")
 
 
