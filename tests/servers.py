@@ -21,6 +21,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    """Children of every thread of ``pid`` (the server starts its engine from a worker thread)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass  # the thread ended meanwhile
+    return children
+
+
 class ServerProcess:
     """``python -m quire.openai_server`` with the given arguments, up until ``stop()``."""
 
@@ -50,8 +61,7 @@ class ServerProcess:
         raise RuntimeError("the server did not become healthy in time")
 
     def engine_pid(self) -> int:
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
-        return int(children[0])
+        return child_pids(self.process.pid)[0]
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -162,3 +162,40 @@ def test_multibyte_text_and_stop_strings_through_the_stream(scripted_server, sto
     # every delta extends the text without ever retracting: no partial stop string went out
     assert "".join(deltas) == expected, deltas
     assert len([d for d in deltas if d]) >= 3  # it really streamed piece by piece (steps are 10 ms apart)
+
+
+def test_the_port_answers_while_the_model_loads():
+    """Readiness and liveness during start-up: the port opens at once; /health 503 "loading", /live 200,
+    other routes 503 with Retry-After; then everything is ready."""
+    import subprocess
+    import sys
+
+    from tests.servers import free_port
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "quire.openai_server", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "QUIRE_TEST_FAULTS": "load_delay_ms=4000"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, seen = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                seen = httpx.get(base + "/health", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert seen is not None and seen.status_code == 503 and seen.json() == {"status": "loading"}
+        assert httpx.get(base + "/live", timeout=2).status_code == 200
+        busy = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_loading"
+        assert busy.headers["retry-after"]
+        while time.monotonic() < deadline and httpx.get(base + "/health", timeout=2).status_code != 200:
+            time.sleep(0.1)
+        assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0
+    assert f"Quire is serving quire-demo at http://127.0.0.1:{port}/v1" in output

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, child_pids
 
 SLOW = {"QUIRE_TEST_FAULTS": "step_delay_ms=20"}
 
@@ -51,12 +51,7 @@ def wait_for_running(server, count, seconds=20):
 
 
 def assert_no_children(server):
-    assert not list(_children(server.process.pid))
-
-
-def _children(pid):
-    path = f"/proc/{pid}/task/{pid}/children"
-    return open(path).read().split() if os.path.exists(path) else []
+    assert not (os.path.exists(f"/proc/{server.process.pid}") and child_pids(server.process.pid))
 
 
 def test_sigterm_drain_lets_in_flight_requests_finish():

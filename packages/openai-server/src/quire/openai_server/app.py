@@ -35,10 +35,13 @@ _DISCONNECTED = 499  # the client went away before the answer; nobody reads this
 
 
 def build_app(engine, settings: ServerSettings) -> FastAPI:
-    """The server for one engine client (an ``AsyncLLM``); all state lives on ``app.state.server``."""
-    state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(settings.served_model_names[0]))
-    if hasattr(engine, "stat_loggers"):
-        engine.stat_loggers.append(state.metrics)
+    """The server for one engine client (an ``AsyncLLM``); all state lives on ``app.state.server``.
+
+    ``engine`` may be None while the model loads (the server answers 503, ``/live`` 200); ``attach_engine``
+    brings the app up once it is ready."""
+    state = ServerState(engine=None, settings=settings, metrics=ServerMetrics(settings.served_model_names[0]))
+    if engine is not None:
+        attach_engine(state, engine)
     app = FastAPI(title="Quire OpenAI-compatible API", version=settings.version)
     app.state.server = state
     install_error_handlers(app)
@@ -51,6 +54,12 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     return app
+
+
+def attach_engine(state: ServerState, engine) -> None:
+    if hasattr(engine, "stat_loggers"):
+        engine.stat_loggers.append(state.metrics)
+    state.engine = engine
 
 
 def get_state(request: Request) -> ServerState:

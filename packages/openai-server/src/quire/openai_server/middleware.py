@@ -28,6 +28,7 @@ class ServerMiddleware:
     """One ASGI layer for the cross-cutting rules, in this order: request id, draining, API key, size.
 
     - ``X-Request-Id`` is echoed (or generated) on every response and kept in ``scope["request_id"]``;
+    - while the model loads (no engine yet), ``/live`` answers 200, everything else 503;
     - while draining, non-probe routes answer 503;
     - with API keys set, every route except ``UNGUARDED_PATHS`` needs ``Authorization: Bearer <key>``
       (keys compared as SHA-256 digests in constant time); CORS preflights pass through;
@@ -53,6 +54,8 @@ class ServerMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
             await send(message)
 
+        if self.state.engine is None:
+            return await _answer_loading(path, send_with_id)
         if self.state.draining and path not in PROBE_PATHS:
             return await _send_error(send_with_id, 503, "the server is shutting down", "server_shutting_down",
                                      "server_error", [(b"retry-after", b"1")])
@@ -87,6 +90,17 @@ class ServerMiddleware:
             return False
         digest = hashlib.sha256(token.strip().encode()).digest()
         return any([hmac.compare_digest(digest, known) for known in digests])  # list: no short-circuit
+
+
+async def _answer_loading(path: str, send) -> None:
+    if path in ("/live", "/health", "/ping"):
+        status = 200 if path == "/live" else 503  # alive, not ready
+        body = b'{"status": "loading"}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        return await send({"type": "http.response.body", "body": body})
+    await _send_error(send, 503, "the model is still loading; retry shortly", "model_loading", "server_error",
+                      [(b"retry-after", b"5")])
 
 
 async def _read_limited(receive, limit: int) -> bytes | None:

@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from quire.core.engine_args import EngineArgs
-from quire.openai_server.app import build_app
+from quire.openai_server.app import attach_engine, build_app
 from quire.openai_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -19,9 +19,10 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 class QuireServer(uvicorn.Server):
-    """uvicorn's server with Quire's shutdown rules.
+    """uvicorn's server with Quire's start-up and shutdown rules.
 
-    SIGTERM drains: new requests get 503 (``/health`` too), in-flight ones may finish for
+    The port opens before the model has loaded; until then every route but ``/live`` answers 503 (see
+    ``ServerMiddleware``). SIGTERM drains: new requests get 503 (``/health`` too), in-flight ones may finish for
     ``shutdown_timeout`` seconds, the rest are aborted, then the server exits 0. If the engine dies, the
     server exits with status 1 (in-flight requests have already failed with 500s).
     """
@@ -34,11 +35,13 @@ class QuireServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
-        if self.started and not self.should_exit:
-            settings = self.state.settings
-            host = "localhost" if settings.host in ("0.0.0.0", "::") else settings.host
-            print(f"Quire is serving {settings.served_model_names[0]} at http://{host}:{self.config.port}/v1",
-                  flush=True)
+        if self.started and not self.should_exit and self.state.engine is not None:
+            self.announce()
+
+    def announce(self) -> None:
+        settings = self.state.settings
+        host = "localhost" if settings.host in ("0.0.0.0", "::") else settings.host
+        print(f"Quire is serving {settings.served_model_names[0]} at http://{host}:{self.config.port}/v1", flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
@@ -55,6 +58,9 @@ class QuireServer(uvicorn.Server):
     async def _drain(self) -> None:
         state, engine = self.state, self.state.engine
         state.draining = True
+        if engine is None:  # still loading: nothing to drain
+            self.should_exit = True
+            return
         logger.info("draining: in-flight requests have %.0f s to finish", state.settings.shutdown_timeout)
         deadline = time.monotonic() + state.settings.shutdown_timeout
         while state.num_in_flight and time.monotonic() < deadline:
@@ -70,7 +76,7 @@ class QuireServer(uvicorn.Server):
 
     async def watch_engine(self) -> None:
         while not self.should_exit:
-            if self.state.engine.errored:
+            if self.state.engine is not None and self.state.engine.errored:
                 logger.error("the engine has died; the server is exiting")
                 self.exit_code = 1
                 self.should_exit = True
@@ -78,28 +84,51 @@ class QuireServer(uvicorn.Server):
             await asyncio.sleep(WATCHDOG_SECONDS)
 
 
-async def serve(engine, settings: ServerSettings) -> int:
-    """Serve until SIGTERM/SIGINT or engine death; return the process exit status."""
+async def serve(engine, settings: ServerSettings, load=None) -> int:
+    """Serve until SIGTERM/SIGINT or engine death; return the process exit status.
+
+    With ``load`` (a blocking callable that returns the engine) and no ``engine``, the port opens first
+    and answers 503 until ``load`` returns; if it raises, the server stops and the error propagates."""
     app = build_app(engine, settings)
+    state = app.state.server
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, access_log=False)
-    server = QuireServer(config, app.state.server)
+    server = QuireServer(config, state)
+    serving = asyncio.ensure_future(server.serve())
     watchdog = asyncio.ensure_future(server.watch_engine())
     try:
-        await server.serve()
+        if engine is None:
+            try:
+                engine = await asyncio.to_thread(load)
+            except BaseException:
+                server.should_exit = True
+                raise
+            attach_engine(state, engine)
+            if server.started and not server.should_exit:
+                server.announce()
+        await serving
     finally:
         watchdog.cancel()
+        if not serving.done():
+            await serving
     if engine.errored:
         server.exit_code = 1
     return server.exit_code
 
 
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    """Start the engine (its own process), serve, and shut everything down; return the exit status."""
+    """Open the port, start the engine (its own process) while answering 503, serve, and shut everything
+    down; return the exit status."""
     from quire.core.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(engine_args)
+    engines = []
+
+    def load():
+        engines.append(AsyncLLM.from_engine_args(engine_args))
+        return engines[-1]
+
     try:
-        return asyncio.run(serve(engine, settings))
+        return asyncio.run(serve(None, settings, load))
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()

@@ -23,6 +23,8 @@ class EngineCore:
         from quire.core.worker.model_runner import ModelRunner  # torch stays out of light imports
 
         self.config = config
+        self.faults = Faults.from_env()
+        self.faults.before_load()
         self.model_runner = ModelRunner(config)
         self.num_blocks = self.model_runner.num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_blocks)
@@ -31,7 +33,6 @@ class EngineCore:
             KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
             config.model.max_model_len,
         )
-        self.faults = Faults.from_env()
         if self.faults.enabled:
             logger.warning("test fault injection is enabled: %s", self.faults)
         self.num_steps = 0

@@ -4,6 +4,7 @@ Production never sets it. The value is comma-separated ``name=value`` pairs:
 
 - ``fail_after_steps=N``: the engine core raises during its N-th step (the engine dies);
 - ``step_delay_ms=N``: every engine step sleeps N milliseconds first (to hold requests in flight);
+- ``load_delay_ms=N``: the engine sleeps N milliseconds before it loads the model (to observe start-up);
 - ``fail_request=TEXT``: a request whose id contains TEXT fails on arrival (that request alone: the engine
   stays up and the others go on);
 - ``script_output=ID.ID.ID``: every request's output is these token ids in turn (then the last one again),
@@ -29,6 +30,7 @@ class InjectedFault(RuntimeError):
 class Faults:
     fail_after_steps: int | None = None
     step_delay_ms: float = 0.0
+    load_delay_ms: float = 0.0
     fail_request: str | None = None
     script_output: tuple[int, ...] = ()
 
@@ -44,6 +46,7 @@ class Faults:
         return cls(
             fail_after_steps=int(values["fail_after_steps"]) if "fail_after_steps" in values else None,
             step_delay_ms=float(values.get("step_delay_ms", 0.0)),
+            load_delay_ms=float(values.get("load_delay_ms", 0.0)),
             fail_request=values.get("fail_request") or None,
             script_output=tuple(int(i) for i in values.get("script_output", "").split(".") if i),
         )
@@ -51,6 +54,10 @@ class Faults:
     @property
     def enabled(self) -> bool:
         return self != Faults()
+
+    def before_load(self) -> None:
+        if self.load_delay_ms:
+            time.sleep(self.load_delay_ms / 1000)
 
     def check_request(self, request_id: str) -> None:
         if self.fail_request is not None and self.fail_request in request_id:
