@@ -102,19 +102,12 @@ def prefill_attention() -> list[dict]:
 
 
 def hf_generate_seconds(model, requests, batch_size: int) -> float:
+    from quire.cli.bench_offline import hf_generate_batch
+
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        longest = max(len(p) for p, _ in batch)
-        input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for row, (prompt, _) in enumerate(batch):
-            input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
-            mask[row, longest - len(prompt):] = 1
-        with torch.inference_mode():
-            model.generate(input_ids=input_ids.cuda(), attention_mask=mask.cuda(), do_sample=False, pad_token_id=0,
-                           max_new_tokens=max(n for _, n in batch))
+        hf_generate_batch(model, requests[i:i + batch_size])
     torch.cuda.synchronize()
     return time.perf_counter() - start
 

@@ -114,14 +114,16 @@ def hf_throughput(path: str, requests, dtype: str, batch_size: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     model.generation_config.eos_token_id = None
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
-    _hf_generate(model, [(requests[0][0], 2)])  # warm-up
+    hf_generate_batch(model, [(requests[0][0], 2)])  # warm-up
     start = time.perf_counter()
     for batch in batches:
-        _hf_generate(model, batch)
+        hf_generate_batch(model, batch)
     return time.perf_counter() - start
 
 
-def _hf_generate(model, batch) -> None:
+def hf_generate_batch(model, batch) -> None:
+    """One left-padded ``generate`` call for ``(prompt ids, output length)`` pairs, on the model's device,
+    running to the longest output."""
     import torch
 
     longest = max(len(prompt) for prompt, _ in batch)
@@ -131,5 +133,5 @@ def _hf_generate(model, batch) -> None:
         input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
         attention_mask[row, longest - len(prompt):] = 1
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, pad_token_id=0,
-                       max_new_tokens=max(n for _, n in batch))
+        model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                       do_sample=False, pad_token_id=0, max_new_tokens=max(n for _, n in batch))

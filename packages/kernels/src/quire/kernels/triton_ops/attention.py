@@ -44,6 +44,25 @@ def _weighted_values(p, v, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _kv_rows(block_tables_ptr, block_table_offset, offs, n_mask, kv_head, stride_cache_block, stride_cache_token,
+             stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """Element offsets in the cache of the tokens ``offs`` of one request's block table."""
+    block = tl.load(block_tables_ptr + block_table_offset + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return block * stride_cache_block + (offs % BLOCK_SIZE) * stride_cache_token + kv_head * stride_cache_head
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax update with masked scores ``s`` (base 2) and their values ``v``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _weighted_values(p, v, UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, partition_size,
@@ -73,20 +92,13 @@ def _paged_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + offs // BLOCK_SIZE, mask=n_mask,
-                        other=0).to(tl.int64)
-        rows = block * stride_cache_block + (offs % BLOCK_SIZE) * stride_cache_token + kv_head * stride_cache_head
+        rows = _kv_rows(block_tables_ptr, seq * stride_block_table, offs, n_mask, kv_head, stride_cache_block,
+                        stride_cache_token, stride_cache_head, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(key_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q, k, qk_scale, UPCAST, PRECISION)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, UPCAST, PRECISION)
-        m_i = m_new
+        s = tl.where(n_mask[None, :], _scores(q, k, qk_scale, UPCAST, PRECISION), float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, UPCAST, PRECISION)
 
     has_tokens = l_i > 0
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -211,20 +223,14 @@ def _paged_prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_block_table + offs // BLOCK_SIZE, mask=n_mask,
-                        other=0).to(tl.int64)
-        kv_rows = block * stride_cache_block + (offs % BLOCK_SIZE) * stride_cache_token + kv_head * stride_cache_head
+        kv_rows = _kv_rows(block_tables_ptr, seq * stride_block_table, offs, n_mask, kv_head, stride_cache_block,
+                           stride_cache_token, stride_cache_head, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(key_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = _scores(q, k, qk_scale, UPCAST, PRECISION)
         s = tl.where(n_mask[None, :] & (offs[None, :] <= positions[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _weighted_values(p, v, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
