@@ -42,6 +42,19 @@ from quire.core.wire import (
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_SECONDS = float(os.environ.get("QUIRE_ENGINE_STARTUP_TIMEOUT", "600"))
+# NOTE: libgomp's idle OpenMP workers spin 300,000 times before they sleep; while they spin they hold
+# the cores that the front end (another process) needs between steps. A tenth of that keeps the engine
+# as fast (measured: equal on the small checkpoint, faster on the tiny one) and cut the process
+# boundary's cost on 2 cores from 6-7% to 1-2%.
+ENGINE_SPIN_COUNT = "30000"
+
+
+def engine_environment() -> dict[str, str]:
+    """The engine process's environment: the caller's, with a shorter OpenMP spin unless one is set."""
+    env = dict(os.environ)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = ENGINE_SPIN_COUNT
+    return env
 _POLL_MS = 100
 
 
@@ -93,7 +106,7 @@ class MPClient(EngineCoreClient):
         resources.process = subprocess.Popen(
             [sys.executable, "-m", "quire.core.engine.core_proc", resources.input_address,
              resources.output_address, str(os.getpid()), resources.socket_dir],
-            stdin=subprocess.PIPE,
+            stdin=subprocess.PIPE, env=engine_environment(),
         )
         resources.process.stdin.write(msgspec.msgpack.encode(config))
         resources.process.stdin.close()
