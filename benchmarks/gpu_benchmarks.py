@@ -72,7 +72,6 @@ def decode_attention(copy_bw: float) -> list[dict]:
         bandwidth = kv_bytes / (ms / 1e3)
         rows.append({"requests": num_seqs, "context": seq_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
                      "ms": ms, "GB/s": bandwidth / 1e9, "fraction_of_copy": bandwidth / copy_bw})
-        del cache, tables
     return rows
 
 
@@ -97,7 +96,6 @@ def prefill_attention() -> list[dict]:
         rows.append({"requests": num_seqs, "prompt": seq_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
                      "ms": ms, "TFLOP/s": flops / (ms / 1e3) / 1e12, "sdpa_ms": sdpa_ms,
                      "sdpa TFLOP/s": flops / (sdpa_ms / 1e3) / 1e12})
-        del cache, tables, kv
     return rows
 
 

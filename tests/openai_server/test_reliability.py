@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 

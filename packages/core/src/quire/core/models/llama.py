@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quire.core.attention.metadata import AttentionMetadata
