@@ -110,37 +110,40 @@ def _sampling(max_tokens, temperature) -> dict:
 
 
 def run_chat(url, model, api_key, system_prompt, quick, stats, max_tokens, temperature) -> int:
-    try:
-        with _http(url, api_key) as http:
-            model = model or _first_model(http)
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-            turns = [quick] if quick is not None else iter(lambda: _read_line("> "), None)
-            for text in turns:
-                if not text.strip():
-                    continue
-                messages.append({"role": "user", "content": text})
-                reply = _stream_reply(http, "/chat/completions",
-                                      {"model": model, "messages": messages, **_sampling(max_tokens, temperature)},
-                                      lambda choice: choice.get("delta", {}).get("content"), stats)
-                messages.append({"role": "assistant", "content": reply})
-        return 0
-    except (httpx.HTTPError, ClientError) as error:
-        print(f"error: {_describe(error, url)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    def session(http) -> None:
+        chosen = model or _first_model(http)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        turns = [quick] if quick is not None else iter(lambda: _read_line("> "), None)
+        for text in turns:
+            if not text.strip():
+                continue
+            messages.append({"role": "user", "content": text})
+            reply = _stream_reply(http, "/chat/completions",
+                                  {"model": chosen, "messages": messages, **_sampling(max_tokens, temperature)},
+                                  lambda choice: choice.get("delta", {}).get("content"), stats)
+            messages.append({"role": "assistant", "content": reply})
+
+    return _run_session(url, api_key, session)
 
 
 def run_complete(url, model, api_key, quick, stats, max_tokens, temperature) -> int:
+    def session(http) -> None:
+        chosen = model or _first_model(http)
+        prompts = [quick] if quick is not None else iter(lambda: _read_line("> "), None)
+        for prompt in prompts:
+            if prompt:
+                _stream_reply(http, "/completions",
+                              {"model": chosen, "prompt": prompt, **_sampling(max_tokens, temperature)},
+                              lambda choice: choice.get("text"), stats)
+
+    return _run_session(url, api_key, session)
+
+
+def _run_session(url, api_key, session) -> int:
+    """Run an interactive client against the server; the exit status (errors go to stderr)."""
     try:
         with _http(url, api_key) as http:
-            model = model or _first_model(http)
-            prompts = [quick] if quick is not None else iter(lambda: _read_line("> "), None)
-            for prompt in prompts:
-                if prompt:
-                    _stream_reply(http, "/completions",
-                                  {"model": model, "prompt": prompt, **_sampling(max_tokens, temperature)},
-                                  lambda choice: choice.get("text"), stats)
+            session(http)
         return 0
     except (httpx.HTTPError, ClientError) as error:
         print(f"error: {_describe(error, url)}", file=sys.stderr)

@@ -169,6 +169,16 @@ class MPClient(EngineCoreClient):
     def _utility_call(self, method: str, args) -> UtilityCall:
         return UtilityCall(next(self._call_ids), method, list(args))
 
+    def _resolve(self, utility_output) -> None:
+        """Complete the waiting utility call (a ``concurrent.futures`` or ``asyncio`` future)."""
+        future = self._pending_calls.pop(utility_output.call_id, None)
+        if future is None or future.done():
+            return
+        if utility_output.failure_message is not None:
+            future.set_exception(RuntimeError(utility_output.failure_message))
+        else:
+            future.set_result(utility_output.result)
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -199,15 +209,6 @@ class SyncMPClient(MPClient):
         except zmq.ZMQError:
             if not stopping.is_set():
                 raise
-
-    def _resolve(self, utility_output) -> None:
-        future = self._pending_calls.pop(utility_output.call_id, None)
-        if future is None:
-            return
-        if utility_output.failure_message is not None:
-            future.set_exception(RuntimeError(utility_output.failure_message))
-        else:
-            future.set_result(utility_output.result)
 
     def _mark_dead(self) -> None:
         super()._mark_dead()
@@ -248,14 +249,15 @@ class AsyncMPClient(MPClient):
     """asyncio client for ``AsyncLLM``: a reader task fills an ``asyncio.Queue``."""
 
     def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        resources = self._resources
-        self._input = zmq.asyncio.Socket.shadow(resources.input_socket.underlying)
-        self._output = zmq.asyncio.Socket.shadow(resources.output_socket.underlying)
+        # NOTE: set before the base class starts the engine, whose start-up failure calls shutdown()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._pending_calls: dict[int, asyncio.Future] = {}
+        super().__init__(config)
+        resources = self._resources
+        self._input = zmq.asyncio.Socket.shadow(resources.input_socket.underlying)
+        self._output = zmq.asyncio.Socket.shadow(resources.output_socket.underlying)
 
     def _start(self) -> None:
         if self._reader is None:
@@ -278,15 +280,6 @@ class AsyncMPClient(MPClient):
                     self._outputs.put_nowait(outputs)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
-
-    def _resolve(self, utility_output) -> None:
-        future = self._pending_calls.pop(utility_output.call_id, None)
-        if future is None or future.done():
-            return
-        if utility_output.failure_message is not None:
-            future.set_exception(RuntimeError(utility_output.failure_message))
-        else:
-            future.set_result(utility_output.result)
 
     def _mark_dead(self) -> None:
         super()._mark_dead()
@@ -348,8 +341,7 @@ class AsyncMPClient(MPClient):
         raise TypeError("use call_utility_async with an asyncio engine-core client")
 
     def shutdown(self) -> None:
-        # NOTE: also called from MPClient.__init__ when the engine fails to start, before our fields exist
-        reader = getattr(self, "_reader", None)
+        reader = self._reader
         if reader is not None and not reader.done() and not self._loop.is_closed():
             reader.cancel()
         super().shutdown()  # closes the sockets the shadows share
