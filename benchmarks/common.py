@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
@@ -47,3 +48,14 @@ def workload(folder: str | Path, num_requests: int, prompt_len: tuple[int, int],
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
             for _ in range(num_requests)]
+
+
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The options every offline benchmark shares: the workload, the dtype and the checkpoint folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
+    return parser

@@ -12,24 +12,18 @@ The runners are those of ``quire bench throughput``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import bench_checkpoint, workload
+from common import bench_checkpoint, workload, workload_parser
 
 from quire.cli.bench_offline import hf_throughput, quire_throughput
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser = workload_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine; the median counts")
-    parser.add_argument("--checkpoint", type=Path, help="reuse or create the checkpoint in this folder")
     return parser.parse_args()
 
 
