@@ -32,13 +32,26 @@ def load():
         from torch.utils.cpp_extension import load as build
 
         _put_ninja_on_path()
-        digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+        # -march=native: a build is only good for this CPU's instruction set, so its flags are in the key
+        # (a home directory shared by different machines keeps one build per CPU kind).
+        key = b"".join(source.read_bytes() for source in SOURCES) + _cpu_flags()
+        digest = hashlib.sha256(key).hexdigest()[:12]
         return build(name=f"quire_cpu_kernels_{digest}", sources=[str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],
                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no headers: the torch path still works
         logger.warning("Quire's C++ CPU kernels are unavailable (%s); using the PyTorch path", error)
         return None
+
+
+def _cpu_flags() -> bytes:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "").encode()
 
 
 def _put_ninja_on_path() -> None:

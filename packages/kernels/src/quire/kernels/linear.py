@@ -2,10 +2,13 @@
 
 On CPUs, oneDNN runs bfloat16 linear layers from a weight reordered once into its blocked layout
 (``prepack``) noticeably faster than ``F.linear`` (about 1.5x on decode-sized batches here); that is the
-op ``torch.compile`` emits for CPU linears with frozen weights. Other dtypes and devices use ``F.linear``.
+op ``torch.compile`` emits for CPU linears with frozen weights. Other dtypes, devices and CPUs without
+oneDNN bfloat16 support (plain AVX2) use ``F.linear``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +18,16 @@ _PACK_BATCH_HINT = 512
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    # oneDNN's bfloat16 linear needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on plain AVX2 CPUs the reorder
+    # raises, so those use F.linear.
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
