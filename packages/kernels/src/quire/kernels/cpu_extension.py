@@ -19,13 +19,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp")]
+           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp")]
 
 
 @functools.cache
 def load():
-    """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``, ``argmax_rows``),
-    or None when it cannot be built here."""
+    """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``, ``argmax_rows``,
+    ``linear_bf16``), or None when it cannot be built here."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     try:

@@ -1,14 +1,22 @@
 """Matrix multiply entry points for linear layers.
 
-On CPUs, oneDNN runs bfloat16 linear layers from a weight reordered once into its blocked layout
-(``prepack``) noticeably faster than ``F.linear`` (about 1.5x on decode-sized batches here); that is the
-op ``torch.compile`` emits for CPU linears with frozen weights. Other dtypes, devices and CPUs without
-oneDNN bfloat16 support (plain AVX2) use ``F.linear``.
+On CPUs, bfloat16 linear layers take the fastest path the machine has, chosen once per process:
+
+- ``onednn``: oneDNN runs them from a weight reordered once into its blocked layout (``prepack``),
+  noticeably faster than ``F.linear`` (about 1.5x on decode-sized batches); that is the op
+  ``torch.compile`` emits for CPU linears with frozen weights. It needs AVX-512 (or AVX-NE-CONVERT).
+- ``kernel``: on AVX2 CPUs without it, PyTorch's own bfloat16 matrix multiply is a generic loop (about
+  16 GFLOP/s on two cores); Quire's C++ kernel (``csrc/linear_bf16.cpp``) widens the bfloat16 weights to
+  float32 in registers and accumulates in float32 with FMA instead.
+- ``torch``: ``F.linear`` (no compiler for the C++ kernels, or ``QUIRE_CPU_KERNELS=0``).
+
+Other dtypes and devices always use ``F.linear``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,28 +24,45 @@ import torch.nn.functional as F
 # The batch size oneDNN is told to expect; one blocked layout serves 1 to several thousand rows well.
 _PACK_BATCH_HINT = 512
 
+PackedLinear = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _onednn_bf16()
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bf16_path() != "torch"
 
 
 @functools.cache
-def _onednn_bf16() -> bool:
-    # oneDNN's bfloat16 linear needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on plain AVX2 CPUs the reorder
-    # raises, so those use F.linear.
+def bf16_path() -> str:
+    """How this process runs bfloat16 linear layers on the CPU: ``onednn``, ``kernel`` or ``torch``."""
     mkldnn = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
-            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
+    if (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported()):
+        return "onednn"
+    from quire.kernels import cpu_extension
+
+    kernels = cpu_extension.load()
+    return "kernel" if kernels is not None and kernels.linear_bf16_vectorized() else "torch"
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN-blocked copy of a ``[out, in]`` weight (an opaque tensor only ``linear`` can use)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+def prepack(weight: torch.Tensor) -> PackedLinear:
+    """``(x, bias) -> x @ weight.T + bias`` from ``weight`` (``[out, in]``) prepared once for this CPU's
+    fastest bfloat16 path (only when ``can_prepack(weight)``)."""
+    if bf16_path() == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        return functools.partial(_onednn_linear, packed)
+    from quire.kernels import cpu_extension
+
+    kernel, weight = cpu_extension.load().linear_bf16, weight.contiguous()
+    return lambda x, bias: kernel(x, weight, bias)
+
+
+def _onednn_linear(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           packed_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a 2-D ``x``, from the prepacked weight when there is one."""
-    if packed_weight is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+           packed: PackedLinear | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a 2-D ``x``, through the prepacked form when there is one."""
+    if packed is not None:
+        return packed(x, bias)
     return F.linear(x, weight, bias)

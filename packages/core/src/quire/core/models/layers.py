@@ -21,16 +21,16 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        self.packed_weight: torch.Tensor | None = None
+        self.packed: linear_ops.PackedLinear | None = None
 
     def prepack(self) -> None:
-        """Reorder the loaded weight for the fastest matrix multiply the device has (a no-op if none)."""
+        """Prepare the loaded weight for the fastest matrix multiply the device has (a no-op if none)."""
         if linear_ops.can_prepack(self.weight):
-            self.packed_weight = linear_ops.prepack(self.weight)
-            self.weight = None  # the packed copy replaces it
+            self.packed = linear_ops.prepack(self.weight)
+            self.weight = None  # the packed form holds what it needs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return linear_ops.linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Module):

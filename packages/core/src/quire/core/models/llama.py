@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype))
-        self._tied_head_packed: torch.Tensor | None = None
+        self._tied_head_packed: linear_ops.PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack()
         embedding = self.model.embed_tokens.weight
         if self.lm_head is None and linear_ops.can_prepack(embedding):
-            self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays plain
+            self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (fused) parameters; fail if any parameter is left unset."""

@@ -1,0 +1,207 @@
+// bfloat16 linear layers for CPUs whose oneDNN has no bfloat16 matrix path (AVX2 without AVX-512).
+//
+// There PyTorch's bfloat16 matrix multiply falls back to a generic loop (about 16 GFLOP/s on two cores,
+// against about 50-120 for float32). This kernel keeps the weights in bfloat16, widens them to float32 in
+// registers (a 16-bit shift: exact), multiplies with float32 activations using FMA and accumulates in
+// float32, then rounds once to the output dtype: the arithmetic of a bfloat16 GEMM with float32
+// accumulation, as oneDNN and MKL do it, with reads of half the bytes of a float32 weight.
+//
+// Layout: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); each (row tile, output tile) is a set of dot
+// products over K, with MR rows of x against NR rows of w held in MR x NR vector accumulators.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUIRE_AVX2 1
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits16) {
+  const uint32_t bits = static_cast<uint32_t>(bits16) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef QUIRE_AVX2
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// MR rows of x (float32, row stride K) against NR rows of w (bfloat16): out[i][j] = dot(x_i, w_j).
+template <int MR, int NR>
+inline void tile(const float* x, const uint16_t* w, int64_t K, float out[MR][NR]) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load_bf16x8(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[j * K + k]);
+      out[i][j] = s;
+    }
+}
+#else
+template <int MR, int NR>
+inline void tile(const float* x, const uint16_t* w, int64_t K, float out[MR][NR]) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[j * K + k]);
+      out[i][j] = s;
+    }
+}
+#endif
+
+template <typename Out>
+inline void store(Out* y, float v);
+template <>
+inline void store<float>(float* y, float v) { *y = v; }
+template <>
+inline void store<uint16_t>(uint16_t* y, float v) { *y = float_to_bf16(v); }
+
+// Rows [m0, m0 + MR) against outputs [n0, n0 + NR).
+template <int MR, int NR, typename Out>
+inline void block(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t m0, int64_t n0,
+                  int64_t K, int64_t N) {
+  float out[MR][NR];
+  tile<MR, NR>(x + m0 * K, w + n0 * K, K, out);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) store<Out>(y + (m0 + i) * N + n0 + j, out[i][j] + (bias ? bias[n0 + j] : 0.f));
+}
+
+template <int NR, typename Out>
+inline void column(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t M, int64_t n0,
+                   int64_t K, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) block<4, NR>(x, w, bias, y, m, n0, K, N);
+  switch (M - m) {
+    case 3: block<3, NR>(x, w, bias, y, m, n0, K, N); break;
+    case 2: block<2, NR>(x, w, bias, y, m, n0, K, N); break;
+    case 1: block<1, NR>(x, w, bias, y, m, n0, K, N); break;
+    default: break;
+  }
+}
+
+// Rows are processed in chunks whose float32 activations stay in the core's L2 while every weight tile
+// of the thread's share streams past them once per chunk.
+constexpr int64_t kRowChunk = 64;
+
+template <typename Out>
+void linear_rows(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t M, int64_t K,
+                 int64_t N) {
+  constexpr int64_t NR = 3;
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, M - m0);
+      const float* xc = x + m0 * K;
+      Out* yc = y + m0 * N;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * NR;
+        switch (std::min<int64_t>(NR, N - n0)) {
+          case 3: column<3>(xc, w, bias, yc, rows, n0, K, N); break;
+          case 2: column<2>(xc, w, bias, yc, rows, n0, K, N); break;
+          default: column<1>(xc, w, bias, yc, rows, n0, K, N); break;
+        }
+      }
+    }
+  });
+}
+
+// One row (batch-1 decode): a pure stream over the weight, so more weight rows are in flight at once
+// (more independent FMA chains and memory streams per thread).
+template <typename Out>
+void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t K, int64_t N) {
+  constexpr int64_t NR = 6;
+  const int64_t full = N / NR;
+  at::parallel_for(0, full + 1, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NR;
+      if (t < full) {
+        block<1, NR>(x, w, bias, y, 0, n0, K, N);
+      } else {
+        for (int64_t n = n0; n < N; ++n) block<1, 1>(x, w, bias, y, 0, n, K, N);
+      }
+    }
+  });
+}
+
+template <typename Out>
+void linear_any(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 1) {
+    linear_row(x, w, bias, y, K, N);
+  } else {
+    linear_rows(x, w, bias, y, M, K, N);
+  }
+}
+
+// float32 copy of x (bfloat16 widened by a shift; PyTorch's own conversion is several times slower here).
+torch::Tensor widen(const torch::Tensor& x) {
+  if (x.scalar_type() != at::kBFloat16) return x.to(at::kFloat);
+  auto out = torch::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = bf16_to_float(src[i]);
+  });
+  return out;
+}
+
+}  // namespace
+
+bool linear_bf16_vectorized() {
+#ifdef QUIRE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: [M, K] float32 or bfloat16; weight: [N, K] bfloat16; bias: [N] or none. Returns [M, N] in x's dtype.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: shape mismatch");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: the weight must be bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const auto w = weight.contiguous();
+  const auto xf = widen(x.contiguous());
+  c10::optional<torch::Tensor> bf;
+  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* bp = bf.has_value() ? bf->data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+    linear_any(xf.data_ptr<float>(), wp, bp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, N);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_bf16: x must be float32 or bfloat16");
+    linear_any(xf.data_ptr<float>(), wp, bp, y.data_ptr<float>(), M, K, N);
+  }
+  return y;
+}
