@@ -128,7 +128,18 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
         return engines[-1]
 
     try:
-        return asyncio.run(serve(None, settings, load))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve(None, settings, load))
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def event_loop_factory():
+    """uvloop's event loop where it is installed (it comes with ``uvicorn[standard]``): each streamed
+    token costs the front end less CPU than with asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -202,6 +202,13 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: in
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' output streams as ``(stream index, output)``; closing the merged
     iterator (a client disconnect) cancels every stream, which aborts its request."""
+    if len(streams) == 1:  # the usual case: no queue and no extra task per output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
