@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -99,8 +100,6 @@ async def _arrivals(count: int, rate: float, burstiness: float, seed: int):
 
 
 async def _benchmark(config: ServeBenchConfig, model: str, rate: float, headers: dict, vocab_size: int):
-    import aiohttp
-
     prompts = _prompts(config, vocab_size)
     limit = asyncio.Semaphore(config.max_concurrency or len(prompts))
     # aiohttp, not httpx, for the load: it parses a streamed event several times cheaper, and on a machine
@@ -118,8 +117,6 @@ async def _benchmark(config: ServeBenchConfig, model: str, rate: float, headers:
 
 async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], output_len: int,
                limit: asyncio.Semaphore) -> RequestResult:
-    import aiohttp
-
     body = {"model": model, "max_tokens": output_len, "stream": True, "ignore_eos": config.ignore_eos,
             "temperature": 0.0, "stream_options": {"include_usage": True}}
     if config.endpoint == "/v1/completions":

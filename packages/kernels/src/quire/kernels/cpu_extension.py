@@ -20,6 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp")]
+HEADER = Path(__file__).with_name("csrc") / "bf16.h"  # included by the sources: part of the cache key
 
 
 @functools.cache
@@ -34,7 +35,7 @@ def load():
         _put_ninja_on_path()
         # -march=native: a build is only good for this CPU's instruction set, so its flags are in the key
         # (a home directory shared by different machines keeps one build per CPU kind).
-        key = b"".join(source.read_bytes() for source in SOURCES) + _cpu_flags()
+        key = b"".join(source.read_bytes() for source in (*SOURCES, HEADER)) + _cpu_flags()
         digest = hashlib.sha256(key).hexdigest()[:12]
         return build(name=f"quire_cpu_kernels_{digest}", sources=[str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],

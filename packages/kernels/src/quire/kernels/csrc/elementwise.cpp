@@ -7,29 +7,23 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
+using quire::bf16_to_float;
+using quire::float_to_bf16;
+
 inline float load(float v) { return v; }
-inline float load(uint16_t bits16) {
-  const uint32_t bits = static_cast<uint32_t>(bits16) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-inline uint16_t to_bf16_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+inline float load(uint16_t bits16) { return bf16_to_float(bits16); }
 inline void store(float* out, float v) { *out = v; }
-inline void store(uint16_t* out, float v) { *out = to_bf16_bits(v); }
+inline void store(uint16_t* out, float v) { *out = float_to_bf16(v); }
 // What storing and reloading does to a value: nothing in float32, bfloat16 rounding in bfloat16.
 inline float round_as(float v, float) { return v; }
-inline float round_as(float v, uint16_t) { return load(to_bf16_bits(v)); }
+inline float round_as(float v, uint16_t) { return load(float_to_bf16(v)); }
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows,

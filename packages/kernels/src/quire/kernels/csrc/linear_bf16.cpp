@@ -11,7 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
+#include "bf16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -20,18 +20,8 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits16) {
-  const uint32_t bits = static_cast<uint32_t>(bits16) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+using quire::bf16_to_float;
+using quire::float_to_bf16;
 
 #ifdef QUIRE_AVX2
 inline __m256 load_bf16x8(const uint16_t* p) {

@@ -19,33 +19,22 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 inline float to_float(float v) { return v; }
-inline float to_float(uint16_t bf16_bits) {
-  const uint32_t bits = static_cast<uint32_t>(bf16_bits) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+inline float to_float(uint16_t bf16_bits) { return quire::bf16_to_float(bf16_bits); }
 
 // The weight a probability gets when it meets a value: itself in float32, rounded (to nearest even)
 // to bfloat16 when the cache is bfloat16.
 inline float probability_weight(float p, float) { return p; }
-inline float probability_weight(float p, uint16_t) {
-  uint32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  float rounded;
-  std::memcpy(&rounded, &bits, sizeof(rounded));
-  return rounded;
-}
+inline float probability_weight(float p, uint16_t) { return quire::bf16_to_float(quire::float_to_bf16(p)); }
 
 // Blocks sit anywhere in the cache: ask for the next block's row while this block's is being used, so
 // that a jump between blocks does not stall on memory latency.
