@@ -126,21 +126,39 @@ void linear_rows(const float* x, const uint16_t* w, const float* bias, Out* y, i
   });
 }
 
-// One row (batch-1 decode): a pure stream over the weight, so more weight rows are in flight at once
-// (more independent FMA chains and memory streams per thread).
+// One row (batch-1 decode) is a pure stream over the weight. Reading each weight row front to back, one
+// row after the other, keeps every thread on a single sequential stream, which the hardware prefetcher
+// follows best: measured on an AVX2 EPYC, 21-24 GB/s over a decode step's weights (a plain read of memory
+// gives 23-25) against 15-17 GB/s with six rows read side by side. Four accumulators cover the FMA
+// latency; a software prefetch a few lines ahead helps where the stream crosses from one row to the next.
+#ifdef QUIRE_AVX2
+inline float row_dot(const float* x, const uint16_t* w, int64_t K) {
+  constexpr int64_t kPrefetchBytes = 256;
+  __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load_bf16x8(w + k), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load_bf16x8(w + k + 8), b);
+    c = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load_bf16x8(w + k + 16), c);
+    d = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load_bf16x8(w + k + 24), d);
+  }
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
+  for (; k < K; ++k) s += x[k] * bf16_to_float(w[k]);
+  return s;
+}
+#else
+inline float row_dot(const float* x, const uint16_t* w, int64_t K) {
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += x[k] * bf16_to_float(w[k]);
+  return s;
+}
+#endif
+
 template <typename Out>
 void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t K, int64_t N) {
-  constexpr int64_t NR = 6;
-  const int64_t full = N / NR;
-  at::parallel_for(0, full + 1, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NR;
-      if (t < full) {
-        block<1, NR>(x, w, bias, y, 0, n0, K, N);
-      } else {
-        for (int64_t n = n0; n < N; ++n) block<1, 1>(x, w, bias, y, 0, n, K, N);
-      }
-    }
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) store<Out>(y + n, row_dot(x, w + n * K, K) + (bias ? bias[n] : 0.f));
   });
 }
 
