@@ -25,10 +25,19 @@ inline void store(uint16_t* out, float v) { *out = float_to_bf16(v); }
 inline float round_as(float v, float) { return v; }
 inline float round_as(float v, uint16_t) { return load(float_to_bf16(v)); }
 
+// How many rows of `row_elements` each thread should get at least. Waking the other OpenMP threads costs
+// more than a small batch's work, and when the engine shares the cores with the server's front end, a
+// parallel region waits for a thread the OS may not schedule for a while: only work worth tens of
+// microseconds is split. `element_cost` weighs elements that take longer (an exp) against a plain one.
+inline int64_t grain_rows(int64_t row_elements, int64_t element_cost = 1) {
+  constexpr int64_t kElementsPerThread = 32768;
+  return std::max<int64_t>(1, kElementsPerThread / std::max<int64_t>(1, row_elements * element_cost));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows,
                    int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> summed(hidden);
     float* v = summed.data();
     for (int64_t r = begin; r < end; ++r) {
@@ -62,7 +71,7 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* ne
 template <typename T>
 void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * half;
       const T* s = sin + t * half;
@@ -82,10 +91,12 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
 
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
-  // split along rows and, for small batches, along the row too
+  // split along rows and, for small batches, along the row too (an exp in double costs about ten plain
+  // element operations)
+  constexpr int64_t kExpCost = 10;
   const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(dim / 512, 2 * at::get_num_threads() / std::max<int64_t>(rows, 1)));
   const int64_t width = (dim + pieces - 1) / pieces;
-  at::parallel_for(0, rows * pieces, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * pieces, grain_rows(width, kExpCost), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / pieces, first = (item % pieces) * width, last = std::min(dim, first + width);
       const T* gate = x + r * 2 * dim;
@@ -167,7 +178,7 @@ namespace {
 
 template <typename T>
 void argmax_rows_impl(const T* x, int64_t* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * width;
       float maximum = load(row[0]);
