@@ -43,16 +43,25 @@ def test_fused_add_rms_norm_reference_adds_then_normalises(dtype):
 TOLERANCES = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=0, atol=0)}
 
 
+# the kernels split rows over threads only from ~32K elements: 33 rows run on one thread, 1,000 in chunks
+@pytest.mark.parametrize("rows", [33, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_norms_match_the_references(dtype):
+def test_cpu_kernel_norms_match_the_references(dtype, rows):
     torch.manual_seed(2)
-    x, residual = torch.randn(33, 96).to(dtype), torch.randn(33, 96).to(dtype)
+    x, residual = torch.randn(rows, 96).to(dtype), torch.randn(rows, 96).to(dtype)
     weight = (torch.rand(96) + 0.5).to(dtype)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), **TOLERANCES[dtype])
     out, summed = fused_add_rms_norm(x, residual, weight, 1e-6)
     ref_out, ref_summed = fused_add_rms_norm_reference(x, residual, weight, 1e-6)
     torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
-    torch.testing.assert_close(out, ref_out, **TOLERANCES[dtype])
+    for got, expected in ((rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)), (out, ref_out)):
+        if dtype == torch.bfloat16 and rows > 100:
+            # NOTE: the kernel sums the squares in another order than PyTorch's reduction; over many rows
+            # a rare element lands on the other side of a bfloat16 rounding boundary (1 in 96,000 here):
+            # one step of the normalised value, which the weight (up to 1.5) can make two of the output
+            torch.testing.assert_close(got, expected, rtol=2**-6, atol=0)
+            assert (got == expected).float().mean().item() > 0.9999
+        else:
+            torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
     views = torch.randn(5, 6, 40).to(dtype)[:, 1:4]  # strided, like q/k cut from a fused projection
     torch.testing.assert_close(rms_norm(views, weight[:40], 1e-6), rms_norm_reference(views, weight[:40], 1e-6),
                                **TOLERANCES[dtype])
@@ -74,10 +83,11 @@ def test_silu_and_mul_reference():
     torch.testing.assert_close(silu_and_mul_reference(x), F.silu(x[..., :5]) * x[..., 5:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [9, 200])  # one thread, and rows split over threads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_takes_the_first_maximum_like_torch(dtype):
+def test_argmax_takes_the_first_maximum_like_torch(dtype, rows):
     torch.manual_seed(4)
-    logits = torch.randn(9, 1000).to(dtype)
+    logits = torch.randn(rows, 1000).to(dtype)
     logits[3, 17] = logits[3, 500] = 50.0  # a tie: the first index wins
     logits[5, :] = -1.0  # all equal
     logits[6, -1] = 80.0  # the last index

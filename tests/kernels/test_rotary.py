@@ -53,13 +53,14 @@ def test_rotary_reference_matches_transformers(dtype):
     torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tokens", [21, 300])  # one thread, and tokens split over threads (~32K elements each)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_rotary_matches_the_reference(dtype):
+def test_cpu_kernel_rotary_matches_the_reference(dtype, tokens):
     torch.manual_seed(4)
     table = rope_cos_sin(rope_inv_freq(64, 10000.0), 300)
-    positions = torch.randint(0, 300, (21,))
-    qkv = torch.randn(21, (8 + 2 + 2) * 64).to(dtype)
-    q, k = qkv[:, :512].view(21, 8, 64), qkv[:, 512:640].view(21, 2, 64)  # strided views, as in the model
+    positions = torch.randint(0, 300, (tokens,))
+    qkv = torch.randn(tokens, (8 + 2 + 2) * 64).to(dtype)
+    q, k = qkv[:, :512].view(tokens, 8, 64), qkv[:, 512:640].view(tokens, 2, 64)  # strided views, as in the model
     factors = rotary_factors(positions, table, dtype)
     tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
     for got, expected in zip(rotate(q, k, *factors), rotate_reference(q, k, *factors)):
