@@ -19,14 +19,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp")]
-HEADER = Path(__file__).with_name("csrc") / "bf16.h"  # included by the sources: part of the cache key
+           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp", "decode_stack.cpp")]
+# included by the sources: part of the cache key
+HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "decode_stack.h")]
 
 
 @functools.cache
 def load():
     """The compiled module (``paged_decode``, ``rms_norm``, ``rotate``, ``silu_and_mul``, ``argmax_rows``,
-    ``linear_bf16``), or None when it cannot be built here."""
+    ``linear_bf16``, ``DecodeStack``), or None when it cannot be built here."""
     if os.environ.get("QUIRE_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -35,7 +36,7 @@ def load():
         _put_ninja_on_path()
         # -march=native: a build is only good for this CPU's instruction set, so its flags are in the key
         # (a home directory shared by different machines keeps one build per CPU kind).
-        key = b"".join(source.read_bytes() for source in (*SOURCES, HEADER)) + _cpu_flags()
+        key = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + _cpu_flags()
         digest = hashlib.sha256(key).hexdigest()[:12]
         return build(name=f"quire_cpu_kernels_{digest}", sources=[str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-ffast-math", "-march=native", "-fopenmp"],

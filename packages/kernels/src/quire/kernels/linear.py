@@ -50,10 +50,21 @@ def prepack(weight: torch.Tensor) -> PackedLinear:
     if bf16_path() == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         return functools.partial(_onednn_linear, packed)
-    from quire.kernels import cpu_extension
+    return KernelLinear(weight)
 
-    kernel, weight = cpu_extension.load().linear_bf16, weight.contiguous()
-    return lambda x, bias: kernel(x, weight, bias)
+
+class KernelLinear:
+    """A bfloat16 weight run through Quire's C++ kernel (the ``kernel`` path); ``weight`` is the plain
+    ``[out, in]`` tensor, which fused C++ paths (``quire.kernels.decode_stack``) read directly."""
+
+    def __init__(self, weight: torch.Tensor):
+        from quire.kernels import cpu_extension
+
+        self.weight = weight.contiguous()
+        self._kernel = cpu_extension.load().linear_bf16
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._kernel(x, self.weight, bias)
 
 
 def _onednn_linear(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
 from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from quire.kernels import decode_stack
 from quire.kernels import linear as linear_ops
 from quire.kernels.activation import silu_and_mul
 from quire.kernels.rotary import rotate
@@ -101,15 +102,52 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.config = config
+        self.backend = backend
+        # Set by ``build_decode_stack`` after prepacking, where the CPU's kernels allow it: decode steps then
+        # run every layer in one C++ call.
+        self.decode_stack = None
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary.factors(positions, hidden.dtype)  # once per step, for every layer
+        if self.decode_stack is not None:
+            plan = metadata.plan
+            fused = getattr(plan, "fused_decode", None)
+            if fused is not None and fused.token_rows is None and not plan.prefills:  # every token a decode
+                return self.decode_stack.forward(hidden, kv_caches, fused.block_tables, fused.seq_lens,
+                                                 metadata.slot_mapping, *rotary)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def build_decode_stack(self) -> None:
+        """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer runs on
+        the C++ ``kernel`` path and the attention backend decodes with the C++ kernel (bfloat16 models on
+        AVX2 CPUs); otherwise decode steps keep going through the modules."""
+        if getattr(self.backend, "decode_kernel", None) is None:
+            return
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = {"qkv": decode_stack.kernel_weight(attn.qkv_proj.packed),
+                       "o_proj": decode_stack.kernel_weight(attn.o_proj.packed),
+                       "gate_up": decode_stack.kernel_weight(mlp.gate_up_proj.packed),
+                       "down": decode_stack.kernel_weight(mlp.down_proj.packed)}
+            if any(weight is None for weight in weights.values()) or mlp.down_proj.bias is not None \
+                    or mlp.gate_up_proj.bias is not None:
+                return
+            layers.append({**weights, "input_norm": layer.input_layernorm.weight,
+                           "post_norm": layer.post_attention_layernorm.weight,
+                           "qkv_bias": attn.qkv_proj.bias, "o_bias": attn.o_proj.bias,
+                           "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                           "k_norm": attn.k_norm.weight if attn.k_norm is not None else None})
+        config = self.config
+        self.decode_stack = decode_stack.build(layers, self.norm.weight, config.num_attention_heads,
+                                               config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
+                                               config.head_dim**-0.5)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         embedding = self.model.embed_tokens.weight
         if self.lm_head is None and linear_ops.can_prepack(embedding):
             self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays
+        self.model.build_decode_stack()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (fused) parameters; fail if any parameter is left unset."""

@@ -1,6 +1,8 @@
 // The Python module of Quire's CPU kernels.
 #include <torch/extension.h>
 
+#include "decode_stack.h"
+
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
@@ -18,5 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each row");
   m.def("linear_bf16", &linear_bf16, "x @ weight.T + bias with a bfloat16 weight, accumulated in float32");
+  py::class_<quire::DecodeStack>(m, "DecodeStack", "every decoder layer of a decode step, in C++")
+      .def(py::init<const std::vector<std::vector<std::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
+                    int64_t, double, double>())
+      .def("forward", &quire::DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &quire::DecodeStack::num_layers);
   m.def("linear_bf16_vectorized", &linear_bf16_vectorized, "whether linear_bf16 was built with AVX2 and FMA");
 }

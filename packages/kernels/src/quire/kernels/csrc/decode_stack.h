@@ -1,0 +1,50 @@
+// A Llama-family decoder stack for decode steps on the CPU, run layer after layer in C++.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace quire {
+
+struct DecoderLayerWeights {
+  torch::Tensor input_norm;
+  torch::Tensor qkv;                       // [q + 2 kv, hidden] bfloat16
+  std::optional<torch::Tensor> qkv_bias;   // [q + 2 kv]
+  std::optional<torch::Tensor> q_norm;     // [head_dim] (Qwen3)
+  std::optional<torch::Tensor> k_norm;
+  torch::Tensor o_proj;                    // [hidden, q]
+  std::optional<torch::Tensor> o_bias;
+  torch::Tensor post_norm;
+  torch::Tensor gate_up;                   // [2 intermediate, hidden]
+  torch::Tensor down;                      // [hidden, intermediate]
+};
+
+// Every layer of the decoder for a batch in which each request brings one new token: the same kernels,
+// in the same order and with the same roundings as the Python modules (quire.core.models.llama), without
+// returning to Python between them.
+class DecodeStack {
+ public:
+  // `layers`: per layer [input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, down],
+  // None where a checkpoint has no such tensor.
+  DecodeStack(const std::vector<std::vector<std::optional<torch::Tensor>>>& layers, torch::Tensor final_norm,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+
+  // hidden [B, hidden] (the embeddings of the batch's tokens); kv_caches: per layer [2, N, block, Hk, D];
+  // block_tables [B, max_blocks], seq_lens [B] (including the new token), slot_mapping [B];
+  // cos/sin [B, D/2]. Returns the final norm's output [B, hidden].
+  torch::Tensor forward(torch::Tensor hidden, const std::vector<torch::Tensor>& kv_caches,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor slot_mapping,
+                        torch::Tensor cos, torch::Tensor sin) const;
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<DecoderLayerWeights> layers_;
+  torch::Tensor final_norm_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
+
+}  // namespace quire
