@@ -55,6 +55,18 @@ def test_streaming_completion_equals_the_non_streamed_text(openai_client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
 
 
+def test_stream_interval_sends_fewer_larger_chunks_with_the_same_text(openai_client):
+    kwargs = dict(model="quire-demo", prompt=PROMPTS[2], max_tokens=25, temperature=0, stream=True,
+                  extra_body={"ignore_eos": True})
+    every = [c.choices[0].text for c in openai_client.completions.create(**kwargs)]
+    kwargs["extra_body"] = {"ignore_eos": True, "stream_interval": 8}
+    grouped = [c.choices[0].text for c in openai_client.completions.create(**kwargs)]
+    assert "".join(grouped) == "".join(every)
+    assert len(every) == 25 and len(grouped) == 1 + 3  # the first token, then 8 + 8 + 8
+    with pytest.raises(Exception, match="stream_interval"):
+        openai_client.completions.create(**{**kwargs, "extra_body": {"stream_interval": 0}})
+
+
 def test_chat_streaming_first_chunk_has_the_role(openai_client):
     full = chat(openai_client, "What does `os.getcwd` do?", max_tokens=40, temperature=0)
     assert full.id.startswith("chatcmpl-") and full.choices[0].message.role == "assistant"

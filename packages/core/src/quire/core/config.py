@@ -236,3 +236,6 @@ class EngineConfig:
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
     multiprocess: bool = True  # run the engine core in its own process
     num_threads: int | None = None  # intra-op threads on CPUs; None: torch's default
+    # Streaming outputs are handed over every this many tokens (after the first, and at the end); a request
+    # may ask for a larger interval. 1: every token.
+    stream_interval: int = 1

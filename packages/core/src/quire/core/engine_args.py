@@ -42,6 +42,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations and KV cache
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str | None = None  # "torch" or "triton"; None picks by device
+    # Streamed outputs every this many tokens (fewer, larger chunks: less front-end work per token).
+    stream_interval: int = 1
 
     def create_engine_config(self) -> EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -51,6 +53,8 @@ class EngineArgs:
             raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
             raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -86,6 +90,7 @@ class EngineArgs:
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            stream_interval=self.stream_interval,
         )
 
 

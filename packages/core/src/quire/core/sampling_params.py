@@ -41,6 +41,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
       rank; ``prompt_logprobs=k`` does the same for each prompt token after the first. Logprobs are taken
       from the model's raw distribution, before any penalty, bias or temperature.
     - ``truncate_prompt_tokens=k`` keeps only the last k prompt tokens (-1: as many as the model allows).
+    - ``stream_interval=k`` (streaming outputs): after the first token, an output is handed over once at
+      least k new tokens have accumulated, and at the end; raised to the engine's ``stream_interval``.
     """
 
     n: int = 1
@@ -66,6 +68,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    stream_interval: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -137,6 +140,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                                                              or self.truncate_prompt_tokens == -1)),
                "truncate_prompt_tokens",
                f"truncate_prompt_tokens must be at least 1, or -1; got {self.truncate_prompt_tokens}")
+        _check(self.stream_interval is None or (_is_int(self.stream_interval) and self.stream_interval >= 1),
+               "stream_interval", f"stream_interval must be at least 1, got {self.stream_interval}")
 
 
 def _int_keys(bias: dict) -> dict[int, float]:

@@ -55,6 +55,9 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     engine.add_argument("--num-threads", type=int,
                         help="CPU threads of the engine's kernels (default: one per core); leaving a core to the "
                              "HTTP front end can pay for small models")
+    engine.add_argument("--stream-interval", type=int, default=1,
+                        help="streamed responses carry this many tokens per chunk (after the first): fewer, "
+                             "larger chunks cost the server less per token; 1 sends every token")
     engine.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of the GPU's memory for weights, activations and the KV cache")
@@ -76,6 +79,7 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         max_queue_time=args.max_queue_time,
         seed=args.seed, num_threads=args.num_threads, multiprocess=True, device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        stream_interval=args.stream_interval,
     )
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(

@@ -53,6 +53,7 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None
+    stream_interval: int | None = None
     request_id: str | None = None
 
 

@@ -103,6 +103,7 @@ def build_sampling_params(state: ServerState, body, *, max_tokens: int, logprobs
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
+        stream_interval=body.stream_interval,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 

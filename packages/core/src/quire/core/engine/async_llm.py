@@ -54,7 +54,7 @@ class AsyncLLM:
         self.max_model_len = engine_core.max_model_len
         self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
                                               config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats: SchedulerStats | None = None
         # Objects with record(scheduler_stats, finished: list[RequestMetrics]), called once per step.

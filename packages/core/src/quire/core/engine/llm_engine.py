@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
                                               config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.scheduler_stats: SchedulerStats | None = None
         self.reset_frontend_timings()
 

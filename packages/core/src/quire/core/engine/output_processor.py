@@ -31,7 +31,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: LogprobsAccumulator
     metrics: RequestMetrics
-    sent_token_offset: int = 0
+    stream_interval: int = 1
+    sent_token_offset: int = 0  # tokens handed over so far
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -58,8 +59,9 @@ class ParentRequest:
 class OutputProcessor:
     """Detokenizes, applies stop strings and builds ``RequestOutput``s for the requests in flight."""
 
-    def __init__(self, tokenizer, max_finished_metrics: int = 10_000):
+    def __init__(self, tokenizer, stream_interval: int = 1, max_finished_metrics: int = 10_000):
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         self.finished_metrics: list[RequestMetrics] = []
@@ -82,6 +84,7 @@ class OutputProcessor:
             logprobs=LogprobsAccumulator(self.tokenizer, params.logprobs, params.prompt_logprobs),
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                                    num_prompt_tokens=len(request.prompt_token_ids)),
+            stream_interval=max(self.stream_interval, params.stream_interval or 1),
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -196,6 +199,10 @@ class OutputProcessor:
         parent = state.parent
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if not finished and state.stream_interval > 1 and state.sent_token_offset > 0:
+            # the first token goes out at once (time to first token), then every stream_interval tokens
+            if len(state.detokenizer.token_ids) - state.sent_token_offset < state.stream_interval:
+                return None
         completion = self._completion(state, finished)
         if parent is None:
             return self._request_output(state, [completion], finished)
@@ -212,8 +219,7 @@ class OutputProcessor:
         text = state.detokenizer.next_text(finished, delta)
         token_ids = state.detokenizer.token_ids
         start = state.sent_token_offset if delta else 0
-        if delta:
-            state.sent_token_offset = len(token_ids)
+        state.sent_token_offset = len(token_ids)
         return CompletionOutput(
             index=state.index,
             text=text,
