@@ -271,17 +271,19 @@ def serve_benchmark(path: Path, concurrency: int, requests, server_args=()) -> d
 
     from quire.cli.bench_serve import ServeBenchConfig, _benchmark, summarize
 
-    def config(num_prompts: int, output_len: int):
+    def config(num_prompts: int, output_len: int, seed: int = 0):
         return ServeBenchConfig(base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
                                 input_len=len(requests[0][0]), output_len=output_len, range_ratio=0.0,
                                 num_prompts=num_prompts, burstiness=1.0, max_concurrency=concurrency,
                                 ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"],
-                                metric_percentiles=[99.0], seed=0)
+                                metric_percentiles=[99.0], seed=seed)
 
     server = start_server(path, server_args)
     try:
-        # warm-up: one round of short requests (the first batch of each shape is slower everywhere)
-        asyncio.run(_benchmark(config(concurrency, 2), str(path), float("inf"), {}, 7000))
+        # warm-up: one round of short requests (the first batch of each shape is slower everywhere), with
+        # other prompts than the measured run's (another seed): the server's prefix cache must not already
+        # hold them, as the offline runs start from an empty cache
+        asyncio.run(_benchmark(config(concurrency, 2, seed=1), str(path), float("inf"), {}, 7000))
         measured = config(len(requests), requests[0][1])
         results, duration = asyncio.run(_benchmark(measured, str(path), float("inf"), {}, 7000))
         return summarize(measured, float("inf"), results, duration)

@@ -160,3 +160,46 @@ def test_bench_serve_times_tokens_that_decode_to_no_text():
     assert _carries_tokens({"index": 0, "delta": {}, "finish_reason": None})
     assert _carries_tokens({"index": 0, "delta": {"content": "hi"}, "finish_reason": None})
     assert not _carries_tokens({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+
+
+def test_each_rate_of_a_sweep_sends_fresh_prompts(monkeypatch):
+    # the same prompts at the next rate would hit the server's prefix cache and skip their prefill
+    from quire.cli import bench_serve
+
+    class Response:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"data": [{"id": "m"}], "vocab_size": 5000}
+
+    class Client:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def get(self, path):
+            return Response()
+
+    prompts = []
+
+    async def fake_benchmark(config, model, rate, headers, vocab_size):
+        prompts.append(bench_serve._prompts(config, vocab_size))
+        return [bench_serve.RequestResult(success=True, prompt_len=8, output_len=2, ttft=0.01, latency=0.02,
+                                          itl=[0.01])], 1.0
+
+    monkeypatch.setattr(bench_serve.httpx, "Client", Client)
+    monkeypatch.setattr(bench_serve, "_benchmark", fake_benchmark)
+    config = bench_serve.ServeBenchConfig(
+        base_url="http://127.0.0.1:1", endpoint="/v1/completions", model=None, api_key=None, input_len=8,
+        output_len=2, range_ratio=0.0, num_prompts=3, burstiness=1.0, max_concurrency=None, ignore_eos=True,
+        percentile_metrics=["ttft"], metric_percentiles=[99.0], seed=0)
+    assert bench_serve.run_serve_bench(config, [10.0, 20.0, 30.0], None, None) == 0
+    first_tokens = [[prompt[:8] for prompt, _ in run] for run in prompts]
+    assert len(first_tokens) == 3 and all(a != b for a, b in zip(first_tokens, first_tokens[1:]))
+    assert not set(map(tuple, first_tokens[0])) & set(map(tuple, first_tokens[1]))

@@ -58,8 +58,10 @@ def run_serve_bench(config: ServeBenchConfig, rates: list[float], output_json: P
         return 1
     vocab_size = tokenizer_info.get("vocab_size", 1000)
     runs = []
-    for rate in rates:
-        results, duration = asyncio.run(_benchmark(config, model, rate, headers, vocab_size))
+    for index, rate in enumerate(rates):
+        # each rate gets its own prompts: repeating the previous rate's would hit the server's prefix cache
+        rate_config = dataclasses.replace(config, seed=config.seed + index)
+        results, duration = asyncio.run(_benchmark(rate_config, model, rate, headers, vocab_size))
         summary = summarize(config, rate, results, duration)
         print_result_block(config, summary)
         runs.append({"summary": summary, "results": results})
