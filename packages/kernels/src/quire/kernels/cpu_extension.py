@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp", "decode_stack.cpp")]
-# included by the sources: part of the cache key
-HEADERS = [Path(__file__).with_name("csrc") / name for name in ("bf16.h", "decode_stack.h")]
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp",
+                                     "decode_stack.cpp")]
+HEADERS = [_CSRC / name for name in ("bf16.h", "kernels.h", "decode_stack.h")]  # included: part of the cache key
 
 
 @functools.cache

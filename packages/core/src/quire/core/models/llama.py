@@ -136,8 +136,7 @@ class LlamaModel(nn.Module):
                        "o_proj": decode_stack.kernel_weight(attn.o_proj.packed),
                        "gate_up": decode_stack.kernel_weight(mlp.gate_up_proj.packed),
                        "down": decode_stack.kernel_weight(mlp.down_proj.packed)}
-            if any(weight is None for weight in weights.values()) or mlp.down_proj.bias is not None \
-                    or mlp.gate_up_proj.bias is not None:
+            if any(weight is None for weight in weights.values()):
                 return
             layers.append({**weights, "input_norm": layer.input_layernorm.weight,
                            "post_norm": layer.post_attention_layernorm.weight,

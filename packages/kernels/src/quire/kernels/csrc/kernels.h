@@ -1,0 +1,16 @@
+// Entry points of Quire's CPU kernels, shared by the Python bindings and the C++ decoder stack.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                    double eps);
+torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool linear_bf16_vectorized();
