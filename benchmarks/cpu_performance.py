@@ -226,33 +226,49 @@ def section_ttft(small: Path) -> None:
 
 def section_serving(tiny: Path, small: Path) -> None:
     """Closed-loop streaming clients against ``quire serve`` (each sends its next request when the last
-    one ends; 2 x clients requests), and the same requests offline: capped at the same number in flight
+    one ends; 2 x clients requests), and the same workload offline: capped at the same number in flight
     (what the server can reach at best, so the ratio is the cost of HTTP, streaming and IPC) and all at
-    once (a bigger batch than the clients can form). At 32 clients (the acceptance figure) served and
-    capped-offline runs alternate ``SERVING_REPEATS`` times and the table shows medians. The last case
-    streams 4 tokens per chunk (``--stream-interval 4``; its ITL is the gap between chunks)."""
+    once (a bigger batch than the clients can form). One server per table and one capped offline engine
+    per row stay up side by side, and their runs alternate back to back (``SERVING_REPEATS`` pairs at 32
+    clients, the acceptance figure; the table shows medians), so that both sides of a pair see the same
+    machine: on a shared 2-core machine the load of other tenants moves either figure by 20-30% from
+    one minute to the next. Every served run sends prompts the server has not seen (its prefix cache
+    would otherwise skip their prefill); every offline run starts from an empty prefix cache. The last
+    table streams 4 tokens per chunk (``--stream-interval 4``; its ITL is the gap between chunks)."""
     cases = (("small", small, 64, (1, 8, 32, 64), ()),
              ("tiny", tiny, 128, (1, 4, 16, 32, 64), ()),
              ("tiny", tiny, 128, (32,), ("--stream-interval", "4")))
     for name, path, output_len, clients, server_args in cases:
         rows, notes = [], []
-        for concurrency in clients:
-            requests = workload(path, max(2 * concurrency, 8), (128, 128), (output_len, output_len))
-            tokens = sum(n for _, n in requests)
-            summaries, capped = [], []
-            for _ in range(SERVING_REPEATS if concurrency == 32 else 1):
-                summaries.append(serve_benchmark(path, concurrency, requests, server_args))
-                capped.append(tokens / quire_throughput(path, requests, repeats=1, max_num_seqs=concurrency)[0])
-            ratios = [s["output_throughput"] / c for s, c in zip(summaries, capped)]
-            summary = sorted(summaries, key=lambda s: s["output_throughput"])[len(summaries) // 2]
-            served = summary["output_throughput"]
-            at_once = tokens / quire_throughput(path, requests, repeats=1)[0]
-            if len(summaries) > 1:
-                notes.append(f"{concurrency} clients, paired runs (served / offline): " + ", ".join(
-                    f"{s['output_throughput']:.0f} / {c:.0f} = {r:.2f}" for s, c, r in zip(summaries, capped, ratios)))
-            rows.append([concurrency, served, statistics.median(capped), statistics.median(ratios), at_once,
-                         served / at_once, summary["median_ttft_ms"], summary["p99_ttft_ms"],
-                         summary["median_itl_ms"], summary["p99_itl_ms"], summary["p99_e2el_ms"]])
+        server = start_server(path, server_args)
+        try:
+            for concurrency in clients:
+                requests = workload(path, max(2 * concurrency, 8), (128, 128), (output_len, output_len))
+                tokens = sum(n for _, n in requests)
+                llm = quire_llm(path, max_num_seqs=concurrency)
+                try:
+                    llm.generate([requests[0][0]], use_tqdm=False)  # warm-up
+                    serve_benchmark(server, path, concurrency, requests, warm_up=True)
+                    summaries, capped = [], []
+                    for repeat in range(SERVING_REPEATS if concurrency == 32 else 1):
+                        summaries.append(serve_benchmark(server, path, concurrency, requests,
+                                                         seed=1000 * concurrency + repeat))
+                        capped.append(tokens / quire_run(llm, requests)[0])
+                finally:
+                    llm.shutdown()
+                ratios = [s["output_throughput"] / c for s, c in zip(summaries, capped)]
+                summary = sorted(summaries, key=lambda s: s["output_throughput"])[len(summaries) // 2]
+                served = summary["output_throughput"]
+                at_once = tokens / quire_throughput(path, requests, repeats=1)[0]
+                if len(summaries) > 1:
+                    notes.append(f"{concurrency} clients, paired runs (served / offline): " + ", ".join(
+                        f"{s['output_throughput']:.0f} / {c:.0f} = {r:.2f}"
+                        for s, c, r in zip(summaries, capped, ratios)))
+                rows.append([concurrency, served, statistics.median(capped), statistics.median(ratios), at_once,
+                             served / at_once, summary["median_ttft_ms"], summary["p99_ttft_ms"],
+                             summary["median_itl_ms"], summary["p99_itl_ms"], summary["p99_e2el_ms"]])
+        finally:
+            server.stop()
         flags = f", server {' '.join(server_args)}" if server_args else ""
         table(f"Serving, {name} checkpoint{flags} (128-token prompts, {output_len} output tokens, "
               f"2 x clients requests, at least 8)",
@@ -263,32 +279,22 @@ def section_serving(tiny: Path, small: Path) -> None:
             print(f"\n{note} (the row shows the medians)")
 
 
-SERVING_REPEATS = 3
+SERVING_REPEATS = 5
 
 
-def serve_benchmark(path: Path, concurrency: int, requests, server_args=()) -> dict:
-    import asyncio
+def serve_benchmark(server, path: Path, concurrency: int, requests, seed: int = 0, warm_up: bool = False) -> dict:
+    """One closed-loop run of ``requests``' shapes against ``server`` with prompts drawn from ``seed``;
+    ``warm_up``: one short round instead (the first batch of each shape is slower everywhere)."""
+    from quire.cli.bench_serve import ServeBenchConfig, _benchmark, _run, summarize
 
-    from quire.cli.bench_serve import ServeBenchConfig, _benchmark, summarize
-
-    def config(num_prompts: int, output_len: int, seed: int = 0):
-        return ServeBenchConfig(base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
-                                input_len=len(requests[0][0]), output_len=output_len, range_ratio=0.0,
-                                num_prompts=num_prompts, burstiness=1.0, max_concurrency=concurrency,
-                                ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"],
-                                metric_percentiles=[99.0], seed=seed)
-
-    server = start_server(path, server_args)
-    try:
-        # warm-up: one round of short requests (the first batch of each shape is slower everywhere), with
-        # other prompts than the measured run's (another seed): the server's prefix cache must not already
-        # hold them, as the offline runs start from an empty cache
-        asyncio.run(_benchmark(config(concurrency, 2, seed=1), str(path), float("inf"), {}, 7000))
-        measured = config(len(requests), requests[0][1])
-        results, duration = asyncio.run(_benchmark(measured, str(path), float("inf"), {}, 7000))
-        return summarize(measured, float("inf"), results, duration)
-    finally:
-        server.stop()
+    config = ServeBenchConfig(
+        base_url=server.base_url, endpoint="/v1/completions", model=None, api_key=None,
+        input_len=len(requests[0][0]), output_len=2 if warm_up else requests[0][1], range_ratio=0.0,
+        num_prompts=concurrency if warm_up else len(requests), burstiness=1.0, max_concurrency=concurrency,
+        ignore_eos=True, percentile_metrics=["ttft", "itl", "e2el"], metric_percentiles=[99.0],
+        seed=1 if warm_up else seed)
+    results, duration = _run(_benchmark(config, str(path), float("inf"), {}, 7000))
+    return summarize(config, float("inf"), results, duration)
 
 
 def start_server(path: Path, server_args=()):

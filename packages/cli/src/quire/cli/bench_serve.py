@@ -6,12 +6,15 @@ import asyncio
 import dataclasses
 import json
 import random
+import ssl
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
-import aiohttp
+import httptools
 import httpx
+import msgspec
 import numpy as np
 
 
@@ -61,7 +64,7 @@ def run_serve_bench(config: ServeBenchConfig, rates: list[float], output_json: P
     for index, rate in enumerate(rates):
         # each rate gets its own prompts: repeating the previous rate's would hit the server's prefix cache
         rate_config = dataclasses.replace(config, seed=config.seed + index)
-        results, duration = asyncio.run(_benchmark(rate_config, model, rate, headers, vocab_size))
+        results, duration = _run(_benchmark(rate_config, model, rate, headers, vocab_size))
         summary = summarize(config, rate, results, duration)
         print_result_block(config, summary)
         runs.append({"summary": summary, "results": results})
@@ -104,20 +107,39 @@ async def _arrivals(count: int, rate: float, burstiness: float, seed: int):
 async def _benchmark(config: ServeBenchConfig, model: str, rate: float, headers: dict, vocab_size: int):
     prompts = _prompts(config, vocab_size)
     limit = asyncio.Semaphore(config.max_concurrency or len(prompts))
-    # aiohttp, not httpx, for the load: it parses a streamed event several times cheaper, and on a machine
-    # the benchmark shares with the server every core-second the client spends is taken from the server.
-    timeout = aiohttp.ClientTimeout(total=600, sock_connect=30)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as http:
-        start = time.perf_counter()
-        tasks = []
-        async for i in _arrivals(len(prompts), rate, config.burstiness, config.seed):
-            tasks.append(asyncio.create_task(_one(http, config, model, *prompts[i], limit)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+    target = _Target.parse(config.base_url, config.endpoint, headers)
+    start = time.perf_counter()
+    tasks = []
+    async for i in _arrivals(len(prompts), rate, config.burstiness, config.seed):
+        tasks.append(asyncio.create_task(_one(target, config, model, *prompts[i], limit)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
 
 
-async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], output_len: int,
+REQUEST_TIMEOUT_SECONDS = 600
+
+
+@dataclasses.dataclass
+class _Target:
+    host: str
+    port: int
+    ssl: ssl.SSLContext | None
+    path: str
+    head: bytes  # the request line and the headers every request shares
+
+    @classmethod
+    def parse(cls, base_url: str, endpoint: str, headers: dict) -> _Target:
+        url = urllib.parse.urlsplit(base_url)
+        secure = url.scheme == "https"
+        port = url.port or (443 if secure else 80)
+        path = url.path.rstrip("/") + endpoint
+        lines = [f"POST {path} HTTP/1.1", f"Host: {url.hostname}:{port}", "Content-Type: application/json",
+                 "Accept: text/event-stream", *(f"{k}: {v}" for k, v in headers.items())]
+        return cls(url.hostname, port, ssl.create_default_context() if secure else None, path,
+                   "\r\n".join(lines).encode("latin-1") + b"\r\n")
+
+
+async def _one(target: _Target, config: ServeBenchConfig, model: str, prompt: list[int], output_len: int,
                limit: asyncio.Semaphore) -> RequestResult:
     body = {"model": model, "max_tokens": output_len, "stream": True, "ignore_eos": config.ignore_eos,
             "temperature": 0.0, "stream_options": {"include_usage": True}}
@@ -125,42 +147,120 @@ async def _one(http, config: ServeBenchConfig, model: str, prompt: list[int], ou
         body["prompt"] = prompt
     else:
         body["messages"] = [{"role": "user", "content": " ".join(map(str, prompt))}]
+    payload = msgspec.json.encode(body)
     result = RequestResult(success=False, prompt_len=len(prompt))
     async with limit:
-        start = last = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        stream = _EventStream(result, loop.create_future())
+        transport = None
         try:
-            async with http.post(config.base_url.rstrip("/") + config.endpoint, json=body) as response:
-                if response.status != 200:
-                    result.error = f"HTTP {response.status}"
-                    return result
-                async for line in response.content:  # one server-sent-event line at a time
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result.error = event["error"].get("message", "error")
-                        return result
-                    now = time.perf_counter()
-                    if event.get("usage"):
-                        result.output_len = event["usage"]["completion_tokens"]
-                    if event.get("choices") and _carries_tokens(event["choices"][0]):
-                        if result.ttft == 0.0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            result.error = type(error).__name__
-            return result
-        result.latency = time.perf_counter() - start
-        result.success = True
+            stream.start = stream.last = time.perf_counter()
+            transport, _ = await asyncio.wait_for(
+                loop.create_connection(lambda: stream, target.host, target.port, ssl=target.ssl),
+                REQUEST_TIMEOUT_SECONDS)
+            transport.write(target.head + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            await asyncio.wait_for(stream.done, REQUEST_TIMEOUT_SECONDS)
+        except (OSError, asyncio.TimeoutError) as error:
+            result.error = result.error or type(error).__name__
+        finally:
+            if transport is not None:
+                transport.close()
+        result.success = not result.error
         return result
+
+
+class _EventStream(asyncio.Protocol):
+    """One streamed request on its own connection. httptools (C, from uvicorn[standard]) parses the
+    response and undoes the chunked encoding; events are timed and read in its callbacks, as the bytes
+    arrive, with no task woken per event: on a machine the benchmark shares with the server, every
+    core-second the client spends is taken from the server."""
+
+    def __init__(self, result: RequestResult, done: asyncio.Future):
+        self.result = result
+        self.done = done
+        self.parser = httptools.HttpResponseParser(self)
+        self.start = self.last = self.now = 0.0
+        self.status = 0
+        self.pending = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.now = time.perf_counter()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self._finish(f"bad HTTP response: {error}")
+
+    def connection_lost(self, exc) -> None:
+        self._finish(f"the server closed the connection early ({exc or 'EOF'})")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status != 200:
+            self._finish(f"HTTP {self.status}")
+
+    def on_body(self, body: bytes) -> None:
+        if self.done.done():
+            return
+        if b"\r" in body:  # events may also end in CRLF pairs
+            body = body.replace(b"\r\n", b"\n")
+        *events, self.pending = (self.pending + body).split(b"\n\n")
+        result = self.result
+        for event in events:
+            if not event.startswith(b"data: {"):
+                continue
+            parsed = _decode_event(event[6:])
+            if parsed.error is not None:
+                return self._finish(parsed.error.get("message", "error"))
+            if parsed.usage:
+                result.output_len = parsed.usage.completion_tokens
+            if parsed.choices and _carries_tokens(parsed.choices[0]):
+                if result.ttft == 0.0:
+                    result.ttft = self.now - self.start
+                else:
+                    result.itl.append(self.now - self.last)
+                self.last = self.now
+
+    def on_message_complete(self) -> None:
+        if not self.done.done():
+            self.result.latency = time.perf_counter() - self.start
+            self.done.set_result(None)
+
+    def _finish(self, error: str) -> None:
+        if not self.done.done():
+            self.result.error = error
+            self.done.set_result(None)
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Event(msgspec.Struct):
+    """The fields of a streamed chunk the benchmark reads (msgspec skips the rest unparsed)."""
+
+    choices: list[dict] = []
+    usage: _Usage | None = None
+    error: dict | None = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
 
 
 def _carries_tokens(choice: dict) -> bool:
     # Every chunk but a chat stream's opening role announcement carries tokens, even when they decode
     # to no text yet (part of a multi-byte character, or ids the tokenizer renders as nothing).
     return "role" not in (choice.get("delta") or {})
+
+
+def _run(coroutine):
+    """Run the load on uvloop where it is installed (it comes with uvicorn[standard]): on a machine the
+    benchmark shares with the server, each event the client handles takes CPU from the server."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coroutine)
 
 
 def summarize(config: ServeBenchConfig, rate: float, results: list[RequestResult], duration: float) -> dict:

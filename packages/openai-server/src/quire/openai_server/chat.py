@@ -26,6 +26,7 @@ from quire.openai_server.serving import (
     request_id,
     resolve_max_tokens,
     sse,
+    sse_json,
     until_disconnect,
     usage,
 )
@@ -108,13 +109,13 @@ async def _stream(state, body, rid, stream, num_prompt_tokens):
     started: set[int] = set()
     completion_tokens = 0
 
-    def chunk(choices, usage_tokens=None):
+    def chunk(choices, usage_tokens=None, encode=sse):
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": state.model_name, "choices": choices}
         if usage_tokens is not None:
             payload["usage"] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": usage_tokens,
                                 "total_tokens": num_prompt_tokens + usage_tokens}
-        return sse(payload)
+        return encode(payload)
 
     try:
         async for _, output in merge_streams([stream]):
@@ -132,10 +133,12 @@ async def _stream(state, body, rid, stream, num_prompt_tokens):
                           "logprobs": None, "finish_reason": completion.finish_reason}
                 if completion.stop_reason is not None:
                     choice["stop_reason"] = completion.stop_reason
+                encode = sse
                 if body.logprobs and completion.logprobs is not None:
                     choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs,
                                                        body.top_logprobs or 0).model_dump()
-                yield chunk([choice], completion_tokens if continuous else None)
+                    encode = sse_json
+                yield chunk([choice], completion_tokens if continuous else None, encode)
         if include_usage:
             yield chunk([], completion_tokens)
     except asyncio.CancelledError:

@@ -26,6 +26,7 @@ from quire.openai_server.serving import (
     request_id,
     resolve_max_tokens,
     sse,
+    sse_json,
     until_disconnect,
     usage,
 )
@@ -159,14 +160,16 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
                     continue
                 choice = {"index": index, "text": text, "logprobs": None,
                           "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                encode = sse
                 if body.logprobs is not None and completion.logprobs is not None:
                     choice["logprobs"] = legacy_logprobs(completion.token_ids, completion.logprobs,
                                                          state.engine.get_tokenizer()).model_dump()
+                    encode = sse_json
                 chunk = {"id": base_id, "object": "text_completion", "created": created,
                          "model": state.model_name, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = _usage_dict(sum(counts), completion_tokens)
-                yield sse(chunk)
+                yield encode(chunk)
         if include_usage:
             yield sse({"id": base_id, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [], "usage": _usage_dict(sum(counts), completion_tokens)})

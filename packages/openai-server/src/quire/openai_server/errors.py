@@ -74,10 +74,11 @@ def error_response(error: BaseException) -> JSONResponse:
                         status_code=api_error.status, headers=api_error.headers)
 
 
-def stream_error_event(error: BaseException) -> str:
+def stream_error_event(error: BaseException) -> bytes:
     """An error after a stream started: one ``data:`` event carrying the error body."""
     api_error = to_api_error(error)
-    return f"data: {json.dumps(error_body(api_error.message, api_error.type, api_error.code, api_error.param))}\n\n"
+    body = error_body(api_error.message, api_error.type, api_error.code, api_error.param)
+    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

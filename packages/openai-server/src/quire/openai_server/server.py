@@ -9,6 +9,7 @@ import time
 
 import uvicorn
 
+from quire.core.engine.core_proc import freeze_gc_heap
 from quire.core.engine_args import EngineArgs
 from quire.openai_server.app import attach_engine, build_app
 from quire.openai_server.settings import ServerSettings
@@ -94,6 +95,8 @@ async def serve(engine, settings: ServerSettings, load=None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, access_log=False)
     server = QuireServer(config, state)
+    if engine is not None:
+        freeze_gc_heap()
     serving = asyncio.ensure_future(server.serve())
     watchdog = asyncio.ensure_future(server.watch_engine())
     try:
@@ -104,6 +107,7 @@ async def serve(engine, settings: ServerSettings, load=None) -> int:
                 server.should_exit = True
                 raise
             attach_engine(state, engine)
+            freeze_gc_heap()
             if server.started and not server.should_exit:
                 server.announce()
         await serving

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
 from quire.core.errors import ValidationError
@@ -258,8 +259,18 @@ async def until_disconnect(request: Request, work: Awaitable):
     return work_task.result()
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+_JSON = msgspec.json.Encoder()
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(payload: dict) -> bytes:
+    """One server-sent event. msgspec writes JSON several times faster than ``json`` (this runs once per
+    streamed chunk); payloads with logprobs go through ``json`` instead, which keeps -inf as
+    ``-Infinity`` where msgspec would write null."""
+    return b"data: " + _JSON.encode(payload) + b"\n\n"
+
+
+def sse_json(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"

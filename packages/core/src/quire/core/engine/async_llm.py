@@ -162,7 +162,10 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                output = collector.get_nowait() or await self._next_output(request_id, collector)
+                output = collector.get_nowait()
+                if output is None:
+                    output = await (collector.get() if collector.deadline is None
+                                    else self._next_output(request_id, collector))
                 finished = output.finished
                 reasons = {c.finish_reason for c in output.outputs} if finished else set()
                 if "error" in reasons:
@@ -192,8 +195,6 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(engine_ids)
 
     async def _next_output(self, request_id: str, collector: RequestOutputCollector) -> RequestOutput:
-        if collector.deadline is None:
-            return await collector.get()
         try:
             return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
         except TimeoutError:

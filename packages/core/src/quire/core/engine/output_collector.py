@@ -20,7 +20,10 @@ class RequestOutputCollector:
         self.output_kind = output_kind
         self.deadline = deadline
         self._pending: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
+        # A bare future per wait, from the loop found on the first wait: asyncio.Event asks for the
+        # running loop on every wait, which costs a getpid() system call per streamed token on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         pending = self._pending
@@ -29,18 +32,22 @@ class RequestOutputCollector:
             self._pending = merge_deltas(pending, item)
         elif not isinstance(pending, BaseException):
             self._pending = item
-        self._ready.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def get_nowait(self) -> RequestOutput | None:
         item, self._pending = self._pending, None
-        self._ready.clear()
         if isinstance(item, BaseException):
             raise item
         return item
 
     async def get(self) -> RequestOutput:
         while self._pending is None:
-            await self._ready.wait()
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
+            await self._waiter
         return self.get_nowait()
 
 

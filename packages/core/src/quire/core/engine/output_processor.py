@@ -173,8 +173,9 @@ class OutputProcessor:
         metrics.token_times += [now] * len(output.new_token_ids)
         stop_terminated = output.finish_reason == FinishReason.STOP
         stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
-        num_kept = len(state.detokenizer.token_ids) - state.logprobs.num_sampled
-        state.logprobs.add_sampled(output.new_logprobs, num_kept)
+        if output.new_logprobs is not None:
+            num_kept = len(state.detokenizer.token_ids) - state.logprobs.num_sampled
+            state.logprobs.add_sampled(output.new_logprobs, num_kept)
         if stop_string is not None:
             state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
         elif output.finished:
