@@ -203,3 +203,62 @@ def test_each_rate_of_a_sweep_sends_fresh_prompts(monkeypatch):
     first_tokens = [[prompt[:8] for prompt, _ in run] for run in prompts]
     assert len(first_tokens) == 3 and all(a != b for a, b in zip(first_tokens, first_tokens[1:]))
     assert not set(map(tuple, first_tokens[0])) & set(map(tuple, first_tokens[1]))
+
+
+def _scripted_stream(pieces: list[bytes], status: bytes = b"200 OK"):
+    """Run the benchmark's client for one request against a loopback server that answers with ``pieces``
+    (the body's raw bytes, chunked encoding included), each sent on its own after a pause."""
+    import asyncio
+
+    from quire.cli import bench_serve
+
+    async def main():
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        config = bench_serve.ServeBenchConfig(
+            base_url=f"http://127.0.0.1:{port}", endpoint="/v1/completions", model="m", api_key=None,
+            input_len=4, output_len=3, range_ratio=0.0, num_prompts=1, burstiness=1.0, max_concurrency=None,
+            ignore_eos=True, percentile_metrics=["ttft"], metric_percentiles=[99.0], seed=0)
+        async with server:
+            results, _ = await bench_serve._benchmark(config, "m", float("inf"), {}, 100)
+        return results[0]
+
+    return asyncio.run(main())
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+def test_bench_serve_client_reads_events_split_anywhere():
+    events = (b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+              b'data: {"choices":[{"index":0,"text":"b"}]}\r\n\r\n'  # CRLF pairs end events too
+              b'data: {"choices":[{"index":0,"text":"c","finish_reason":"length"}]}\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3,"total_tokens":7}}\n\n'
+              b'data: [DONE]\n\n')
+    body = _chunk(events[:30]) + _chunk(events[30:95]) + _chunk(events[95:]) + b"0\r\n\r\n"
+    # the raw bytes cut mid chunk-header, mid event and mid JSON
+    result = _scripted_stream([body[:7], body[7:50], body[50:121], body[121:]])
+    assert result.success and not result.error
+    assert result.output_len == 3 and len(result.itl) == 2  # three token events: a first token, two gaps
+    assert 0 < result.ttft <= result.latency
+
+
+def test_bench_serve_client_reports_errors():
+    refused = _scripted_stream([_chunk(b'{"error":{"message":"no"}}') + b"0\r\n\r\n"], status=b"400 Bad Request")
+    assert not refused.success and refused.error == "HTTP 400"
+    failed = _scripted_stream([_chunk(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+                                      b'data: {"error":{"message":"the engine failed"}}\n\n')])
+    assert not failed.success and failed.error == "the engine failed"
+    cut = _scripted_stream([_chunk(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')])  # closed mid-stream
+    assert not cut.success and "closed the connection early" in cut.error
