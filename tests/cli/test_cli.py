@@ -120,6 +120,13 @@ def test_bench_serve_against_a_real_server(demo_server, tmp_path):
                                 "--plot", str(tmp_path / "sweep.png")])
     assert sweep.exit_code == 0 and sweep.stdout.count("Serving Benchmark Result") == 2
     assert (tmp_path / "sweep.png").is_file()
+    chat = runner.invoke(app, ["bench", "serve", "--base-url", demo_server.base_url, "--endpoint",
+                               "/v1/chat/completions", "--num-prompts", "4", "--random-input-len", "8",
+                               "--random-output-len", "5", "--output-json", str(tmp_path / "chat.json")])
+    assert chat.exit_code == 0, chat.stdout + chat.stderr
+    summary = json.loads((tmp_path / "chat.json").read_text())
+    assert summary["completed"] == 4 and summary["total_output_tokens"] == 20
+    assert 0 < summary["median_ttft_ms"] <= summary["median_e2el_ms"]
 
 
 def test_bench_latency_and_throughput_for_both_backends(llama_checkpoint, tmp_path):
