@@ -269,3 +269,14 @@ def test_bench_serve_client_reports_errors():
     assert not failed.success and failed.error == "the engine failed"
     cut = _scripted_stream([_chunk(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')])  # closed mid-stream
     assert not cut.success and "closed the connection early" in cut.error
+
+
+def test_bench_serve_client_request_head():
+    from quire.cli.bench_serve import _Target
+
+    target = _Target.parse("http://[::1]:8000/prefix/", "/v1/completions", {"Authorization": "Bearer k"})
+    assert (target.host, target.port, target.ssl) == ("::1", 8000, None)
+    assert target.head.split(b"\r\n")[:2] == [b"POST /prefix/v1/completions HTTP/1.1", b"Host: [::1]:8000"]
+    assert b"\r\nAuthorization: Bearer k\r\n" in target.head
+    secure = _Target.parse("https://example.com", "/v1/chat/completions", {})
+    assert secure.port == 443 and secure.ssl is not None and b"\r\nHost: example.com\r\n" in secure.head

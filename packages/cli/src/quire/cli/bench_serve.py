@@ -133,7 +133,8 @@ class _Target:
         secure = url.scheme == "https"
         port = url.port or (443 if secure else 80)
         path = url.path.rstrip("/") + endpoint
-        lines = [f"POST {path} HTTP/1.1", f"Host: {url.hostname}:{port}", "Content-Type: application/json",
+        host = url.netloc.rpartition("@")[2]  # as written: brackets around IPv6, the port if given
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
                  "Accept: text/event-stream", *(f"{k}: {v}" for k, v in headers.items())]
         return cls(url.hostname, port, ssl.create_default_context() if secure else None, path,
                    "\r\n".join(lines).encode("latin-1") + b"\r\n")
