@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import time
 from pathlib import Path
 
 from common import bench_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.servers import free_port  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -179,9 +181,7 @@ def cpu_seconds(pid: int) -> float:
 def start(kind: str, checkpoint: Path, step: float) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, __file__, "--checkpoint", str(checkpoint),
                                 "--step-ms", str(step * 1000), "--serve", kind, str(port)])
     base_url = f"http://127.0.0.1:{port}"

@@ -264,12 +264,13 @@ _JSON = msgspec.json.Encoder()
 
 def sse(payload: dict) -> bytes:
     """One server-sent event. msgspec writes JSON several times faster than ``json`` (this runs once per
-    streamed chunk); payloads with logprobs go through ``json`` instead, which keeps -inf as
-    ``-Infinity`` where msgspec would write null."""
+    streamed chunk)."""
     return b"data: " + _JSON.encode(payload) + b"\n\n"
 
 
 def sse_json(payload: dict) -> bytes:
+    """One server-sent event through ``json``, for chunks with logprobs: it keeps -inf as ``-Infinity``
+    where msgspec would write null."""
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
