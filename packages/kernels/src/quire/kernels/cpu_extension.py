@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp",
                                      "decode_stack.cpp")]
-HEADERS = [_CSRC / name for name in ("bf16.h", "kernels.h", "decode_stack.h")]  # included: part of the cache key
+# included by the sources: part of the cache key
+HEADERS = [_CSRC / name for name in ("bf16.h", "kernels.h", "decode_stack.h", "parallel.h")]
 
 
 @functools.cache

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +38,7 @@ inline int64_t grain_rows(int64_t row_elements, int64_t element_cost = 1) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows,
                    int64_t hidden, float eps) {
-  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, rows, quire::chunk_size(rows, grain_rows(hidden)), [&](int64_t begin, int64_t end) {
     std::vector<float> summed(hidden);
     float* v = summed.data();
     for (int64_t r = begin; r < end; ++r) {
@@ -71,7 +72,8 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* ne
 template <typename T>
 void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+  const int64_t chunk = quire::chunk_size(tokens, grain_rows(heads * dim));
+  quire::parallel_chunks(0, tokens, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * half;
       const T* s = sin + t * half;
@@ -96,7 +98,8 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
   constexpr int64_t kExpCost = 10;
   const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(dim / 512, 2 * at::get_num_threads() / std::max<int64_t>(rows, 1)));
   const int64_t width = (dim + pieces - 1) / pieces;
-  at::parallel_for(0, rows * pieces, grain_rows(width, kExpCost), [&](int64_t begin, int64_t end) {
+  const int64_t chunk = quire::chunk_size(rows * pieces, grain_rows(width, kExpCost));
+  quire::parallel_chunks(0, rows * pieces, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / pieces, first = (item % pieces) * width, last = std::min(dim, first + width);
       const T* gate = x + r * 2 * dim;
@@ -178,7 +181,7 @@ namespace {
 
 template <typename T>
 void argmax_rows_impl(const T* x, int64_t* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, rows, quire::chunk_size(rows, grain_rows(width)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * width;
       float maximum = load(row[0]);

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -109,7 +110,7 @@ void linear_rows(const float* x, const uint16_t* w, const float* bias, Out* y, i
                  int64_t N) {
   constexpr int64_t NR = 3;
   const int64_t tiles = (N + NR - 1) / NR;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, tiles, quire::chunk_size(tiles, 8), [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t rows = std::min(kRowChunk, M - m0);
       const float* xc = x + m0 * K;
@@ -157,7 +158,7 @@ inline float row_dot(const float* x, const uint16_t* w, int64_t K) {
 
 template <typename Out>
 void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t K, int64_t N) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, N, quire::chunk_size(N, 16), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) store<Out>(y + n, row_dot(x, w + n * K, K) + (bias ? bias[n] : 0.f));
   });
 }
@@ -177,7 +178,7 @@ torch::Tensor widen(const torch::Tensor& x) {
   auto out = torch::empty(x.sizes(), x.options().dtype(at::kFloat));
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, x.numel(), quire::chunk_size(x.numel(), 1 << 16), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dst[i] = bf16_to_float(src[i]);
   });
   return out;

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -55,8 +56,8 @@ void decode(const float* query, const T* key_cache, const T* value_cache, const 
   const int64_t threads = at::get_num_threads();
   const int64_t head_splits = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, 4 * threads / num_requests));
   const int64_t heads_per_item = (num_kv_heads + head_splits - 1) / head_splits;
-  at::parallel_for(0, num_requests * head_splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, totals, query_f, accumulator;
+  quire::parallel_chunks(0, num_requests * head_splits, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores, totals, query_f, accumulator;  // reused across chunks
     for (int64_t item = begin; item < end; ++item) {
       const int64_t request = item / head_splits;
       const int64_t first_kv = (item % head_splits) * heads_per_item;
@@ -191,9 +192,9 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
-  at::parallel_for(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const uint16_t*> key_rows, value_rows;
-    std::vector<float> probs, totals;
+  quire::parallel_chunks(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<const uint16_t*> key_rows, value_rows;  // reused across chunks
+    thread_local std::vector<float> probs, totals;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t request = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t length = seq_lens[request];
