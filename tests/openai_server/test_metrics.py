@@ -1,7 +1,13 @@
 """Prometheus metrics after requests of known sizes."""
 
+import random
+
 import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from quire.openai_server.metrics import ITL_BUCKETS, BatchHistogram
 
 from tests.servers import ServerProcess
 
@@ -47,3 +53,30 @@ def test_counts_after_ten_requests_of_known_sizes():
         assert value(values, "quire:num_preemptions_total") == 0
     finally:
         server.stop()
+
+
+def test_batch_histogram_exposes_what_a_histogram_would():
+    """Inter-token latencies are recorded a request at a time; the exposition must be a Histogram's
+    (bounds inclusive, values past the last bound in +Inf), creation time aside."""
+    name, doc = "quire:inter_token_latency_seconds", "Time between consecutive tokens."
+    reference_registry, batch_registry = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram(name, doc, ["model_name"], buckets=ITL_BUCKETS, registry=reference_registry)
+    batch = BatchHistogram(name, doc, ITL_BUCKETS, "m")
+    batch_registry.register(batch)
+    rng = random.Random(0)
+    for _ in range(20):  # requests
+        gaps = [rng.choice([*ITL_BUCKETS, 0.0, 1000.0]) if rng.random() < 0.3 else rng.expovariate(30)
+                for _ in range(rng.randint(0, 50))]
+        for gap in gaps:
+            reference.labels("m").observe(gap)
+        batch.observe_many(gaps)
+
+    def exposed(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in family.samples if not s.name.endswith("_created")}
+
+    expected, got = exposed(reference_registry), exposed(batch_registry)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key

@@ -3,7 +3,13 @@ process from the engine's per-step statistics and each finished request's timing
 
 from __future__ import annotations
 
+import bisect
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from quire.core.outputs import RequestMetrics
 from quire.core.wire import SchedulerStats
@@ -47,8 +53,9 @@ class ServerMetrics:
         self._success = Counter("quire:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=registry)
         self.ttft = histogram("quire:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
-                             ITL_BUCKETS)
+        self.itl = BatchHistogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
+                                  ITL_BUCKETS, model_name)
+        registry.register(self.itl)
         self.e2e = histogram("quire:e2e_request_latency_seconds", "Arrival to finish.",
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("quire:request_queue_time_seconds", "Arrival to first scheduling.",
@@ -87,8 +94,37 @@ class ServerMetrics:
         if metrics.e2e_latency is not None:
             self.e2e.observe(metrics.e2e_latency)
         times = metrics.token_times
-        for earlier, later in zip(times, times[1:]):
-            self.itl.observe(later - earlier)
+        self.itl.observe_many([later - earlier for earlier, later in zip(times, times[1:])])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class BatchHistogram:
+    """A histogram (one label: the model name) that takes a request's values in one call: inter-token
+    latencies arrive a request's worth at a time, one per generated token, and ``Histogram.observe`` costs
+    a lock and a walk of the buckets for each. Exposed exactly as a ``Histogram`` of the same name."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], model_name: str):
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe_many(self, values: list[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
+        self.sum += sum(values)
+
+    def collect(self):
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        family.add_metric([self.model_name], buckets, total)
+        family.samples.append(Sample(self.name + "_created", {"model_name": self.model_name}, self.created))
+        return [family]
