@@ -39,6 +39,8 @@ def parse_args():
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "quire-bench",
                         help="where the checkpoints are built once and kept")
+    parser.add_argument("--serving-checkpoints", default="small,tiny",
+                        help="the serving section's checkpoints (small, tiny or both)")
     return parser.parse_args()
 
 
@@ -224,7 +226,7 @@ def section_ttft(small: Path) -> None:
           ["prompt tokens", "Quire ms", "transformers ms", "speed-up", "Quire prompt tok/s"], rows)
 
 
-def section_serving(tiny: Path, small: Path) -> None:
+def section_serving(tiny: Path, small: Path, checkpoints=("small", "tiny")) -> None:
     """Closed-loop streaming clients against ``quire serve`` (each sends its next request when the last
     one ends; 2 x clients requests), and the same workload offline: capped at the same number in flight
     (what the server can reach at best, so the ratio is the cost of HTTP, streaming and IPC) and all at
@@ -238,7 +240,7 @@ def section_serving(tiny: Path, small: Path) -> None:
     cases = (("small", small, 64, (1, 8, 32, 64), ()),
              ("tiny", tiny, 128, (1, 4, 16, 32, 64), ()),
              ("tiny", tiny, 128, (32,), ("--stream-interval", "4")))
-    for name, path, output_len, clients, server_args in cases:
+    for name, path, output_len, clients, server_args in [case for case in cases if case[0] in checkpoints]:
         rows, notes = [], []
         server = start_server(path, server_args)
         try:
@@ -340,7 +342,8 @@ def main() -> None:
     small = bench_checkpoint(args.cache_dir / "small", "small")
     print(f"# Quire CPU performance ({time.strftime('%Y-%m-%d')})\n\ncheckpoints: {tiny}, {small}")
     runners = {"throughput": lambda: section_throughput(tiny, small), "decode": lambda: section_decode(small),
-               "ttft": lambda: section_ttft(small), "serving": lambda: section_serving(tiny, small),
+               "ttft": lambda: section_ttft(small),
+               "serving": lambda: section_serving(tiny, small, args.serving_checkpoints.split(",")),
                "scaling": lambda: section_scaling(tiny, small)}
     for section in sections:
         started = time.perf_counter()
