@@ -21,7 +21,6 @@ from quire.openai_server.serving import (
     ServerState,
     build_sampling_params,
     chat_logprobs,
-    merge_streams,
     prompt_logprobs,
     request_id,
     resolve_max_tokens,
@@ -118,7 +117,7 @@ async def _stream(state, body, rid, stream, num_prompt_tokens):
         return encode(payload)
 
     try:
-        async for _, output in merge_streams([stream]):
+        async for output in stream:
             for completion in output.outputs:
                 if completion.index not in started:
                     started.add(completion.index)
@@ -145,4 +144,6 @@ async def _stream(state, body, rid, stream, num_prompt_tokens):
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream
         yield stream_error_event(error)
+    finally:
+        await stream.aclose()  # a client gone mid-stream: closing the stream aborts its request
     yield SSE_DONE

@@ -147,8 +147,13 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
     continuous = include_usage and body.stream_options.continuous_usage_stats
     echoed: set[int] = set()
     completion_tokens = 0
+    # One prompt (the usual case) is read straight from its stream: no merging generator in between,
+    # which every streamed token would otherwise pass through.
+    several = len(streams) > 1
+    source = merge_streams(streams) if several else streams[0]
     try:
-        async for prompt_index, output in merge_streams(streams):
+        async for item in source:
+            prompt_index, output = item if several else (0, item)
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
                 text = completion.text
@@ -177,6 +182,8 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream
         yield stream_error_event(error)
+    finally:
+        await source.aclose()  # a client gone mid-stream: closing the stream aborts its request
     yield SSE_DONE
 
 

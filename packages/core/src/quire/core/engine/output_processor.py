@@ -20,7 +20,7 @@ from quire.core.wire import EngineCoreOutput, EngineCoreRequest, EventType, Fini
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestState:
     request_id: str
     index: int  # completion index within its parent (0 without one)
@@ -154,15 +154,18 @@ class OutputProcessor:
 
     def _update(self, state: RequestState, output: EngineCoreOutput, now: float) -> None:
         metrics = state.metrics
-        for event in output.events or ():
-            if event.type == EventType.SCHEDULED and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = event.timestamp
-            elif event.type == EventType.PREEMPTED:
-                metrics.num_preemptions += 1
-        state.num_cached_tokens = max(state.num_cached_tokens, output.num_cached_tokens)
+        if output.events:
+            for event in output.events:
+                if event.type == EventType.SCHEDULED and metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = event.timestamp
+                elif event.type == EventType.PREEMPTED:
+                    metrics.num_preemptions += 1
+        if output.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = output.num_cached_tokens
         if output.new_prompt_logprobs is not None:
             state.logprobs.add_prompt(output.new_prompt_logprobs)
-        if not output.new_token_ids:
+        new_token_ids = output.new_token_ids
+        if not new_token_ids:
             if output.finished:  # finished without a token: an engine-side error
                 state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
                 logger.warning("request %s ended in the engine without output (%s): %s", output.request_id,
@@ -170,9 +173,9 @@ class OutputProcessor:
             return
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.token_times += [now] * len(output.new_token_ids)
+        metrics.token_times.extend([now] * len(new_token_ids))
         stop_terminated = output.finish_reason == FinishReason.STOP
-        stop_string = state.detokenizer.update(output.new_token_ids, stop_terminated)
+        stop_string = state.detokenizer.update(new_token_ids, stop_terminated)
         if output.new_logprobs is not None:
             num_kept = len(state.detokenizer.token_ids) - state.logprobs.num_sampled
             state.logprobs.add_sampled(output.new_logprobs, num_kept)
@@ -224,7 +227,7 @@ class OutputProcessor:
         return CompletionOutput(
             index=state.index,
             text=text,
-            token_ids=list(token_ids[start:]),
+            token_ids=token_ids[start:],  # a slice: already a copy
             finish_reason=str(state.finish_reason) if finished else None,
             stop_reason=state.stop_reason,
             cumulative_logprob=state.logprobs.cumulative_logprob,
