@@ -5,9 +5,8 @@
 // core for a millisecond or two; the thread it displaced holds up its whole share, and the other threads
 // finish theirs and wait. Measured on 2 cores: a process busy 2 ms in every 16 (1/16 of the machine) cut the
 // tiny model's offline throughput by a quarter. Here threads claim small chunks from a shared counter, so the
-// threads that keep running take over the rest of the range and only the chunk in hand waits; a waiting
-// OpenMP thread soon sleeps (the engine shortens libgomp's spin), which frees its core for the OS to move the
-// displaced thread onto.
+// threads that keep running take over the rest of the range and only the chunk in hand waits for the
+// displaced thread (benchmarks/interference.py measures what is left of the effect).
 //
 // Each index is still computed by the same code whichever thread takes it, so results do not change.
 #pragma once
