@@ -28,7 +28,8 @@ def hf_greedy(path, prompts):
     results = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NUM_NEW_TOKENS,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                             do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
                              output_scores=True, return_dict_in_generate=True)
         top2 = torch.stack(out.scores)[:, 0].float().log_softmax(-1).topk(2, dim=-1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()
@@ -43,7 +44,7 @@ def test_cuda_greedy_equals_transformers(tiny_checkpoint, prompts, enforce_eager
     path = tiny_checkpoint("llama")
     llm = LLM(path, dtype="float32", device="cuda", enforce_eager=enforce_eager, max_num_batched_tokens=64,
               max_model_len=512, gpu_memory_utilization=0.3, multiprocess=False)
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.model_runner
     assert runner.device.type == "cuda" and runner.attn_backend.name == "triton"
     assert (runner.cuda_graphs is None) == enforce_eager
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)

@@ -32,7 +32,7 @@ def test_decode_steps_through_graph_buffers_equal_eager(llama_checkpoint, corpus
     eager = [o.outputs[0].token_ids for o in LLM(llama_checkpoint, **options).generate(prompts, params, use_tqdm=False)]
 
     llm = LLM(llama_checkpoint, **options)
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.model_runner
     runner.cuda_graphs = graphs = EagerGraphs(runner.model, runner.attn_backend, runner.kv_caches, 6,
                                               runner.input_batch.block_table.shape[1], 1024, runner.block_size,
                                               torch.device("cpu"))

@@ -15,7 +15,7 @@ NEW_TOKENS = 12
 
 
 def model_of(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.model_runner.model.model
+    return llm.llm_engine.engine_core.engine_core.executor.model_runner.model.model
 
 
 def generate(llm: LLM, prompts):
@@ -55,7 +55,7 @@ def test_stack_rejects_mismatched_inputs(tiny_checkpoint):
 
     llm = LLM(tiny_checkpoint("llama"), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
     model = model_of(llm)
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.model_runner
     hidden = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
     cos = sin = torch.zeros(1, model.config.head_dim // 2, dtype=torch.bfloat16)
     tables, lens = torch.ones(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from quire.core.errors import ConfigError
+from quire.core.models.registry import architecture_for_model_type, get_model_entry
 
 logger = logging.getLogger(__name__)
 
@@ -20,12 +21,6 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +66,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path, dtype: str = "auto",
                 max_model_len: int | None = None) -> ModelConfig:
-        """Read ``config.json`` (and ``generation_config.json`` if present) from a checkpoint folder."""
+        """Read ``config.json`` (and ``generation_config.json`` if present) from a checkpoint folder.
+
+        The fields every architecture shares are read here; the architecture's registry entry
+        (``quire.core.models.registry``) supplies the rest and refuses variants its model cannot run.
+        """
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
@@ -79,10 +78,7 @@ class ModelConfig:
         hf = json.loads(config_file.read_text())
         generation = _read_json(folder / "generation_config.json")
         architecture = _architecture(hf)
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-        if hf.get("mlp_bias"):
-            raise ConfigError("checkpoints with mlp_bias are not supported")
+        architecture_fields = get_model_entry(architecture).config_fields(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         max_positions = int(hf.get("max_position_embeddings", 2048))
@@ -102,12 +98,10 @@ class ModelConfig:
             max_model_len=_max_model_len(hf, max_positions, max_model_len),
             dtype=_resolve_dtype(dtype, hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            o_proj_bias=architecture != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
             eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
             sampling_defaults={key: generation[key] for key in _SAMPLING_DEFAULT_KEYS if key in generation},
+            **architecture_fields,
         )
 
     @property
@@ -126,8 +120,9 @@ def _architecture(hf: dict[str, Any]) -> str:
     if architectures:
         return architectures[0]
     model_type = hf.get("model_type", "")
-    if model_type in _ARCH_BY_MODEL_TYPE:
-        return _ARCH_BY_MODEL_TYPE[model_type]
+    architecture = architecture_for_model_type(model_type)
+    if architecture is not None:
+        return architecture
     raise ConfigError(f"config.json names no architecture and model_type {model_type!r} is unknown")
 
 
@@ -230,11 +225,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     tokenizer: str
     seed: int = 0
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when torch sees a GPU)
+    device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when torch sees a GPU)
     attention_backend: str | None = None  # None: "triton" on CUDA devices, "torch" elsewhere
     enforce_eager: bool = False  # CUDA devices: no CUDA graphs for decode steps
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
-    multiprocess: bool = True  # run the engine core in its own process
     num_threads: int | None = None  # intra-op threads on CPUs; None: torch's default
     # Streaming outputs are handed over every this many tokens (after the first, and at the end); a request
     # may ask for a larger interval. 1: every token.

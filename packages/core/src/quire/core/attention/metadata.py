@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quire.core.attention.triton_backend import TritonAttentionPlan
+    from quire.kernels.attention import AttentionPlan as TorchAttentionPlan
+
+    # One step's backend-specific work, shared by every layer; only the backend that built it reads it.
+    BackendPlan = TorchAttentionPlan | TritonAttentionPlan
 
 
 @dataclasses.dataclass
@@ -21,5 +29,5 @@ class AttentionMetadata:
     seq_lens: list[int]  # num_requests
     max_query_len: int
     block_size: int = 16
-    # Backend-specific work done once per step for all layers (set by the backend's ``prepare``).
-    plan: object = None
+    # Set by the backend's ``prepare`` (or ``graph_decode_plan``); None until then.
+    plan: BackendPlan | None = None

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from quire.core.attention.backend import AttentionBackend, AttentionCapabilities
 from quire.core.attention.metadata import AttentionMetadata
 
 
@@ -22,14 +23,16 @@ class TritonAttentionPlan:
     is_decode_only: bool  # every request has one query, row i is request i
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Writes new keys/values into the paged cache and runs paged attention, both in Triton kernels.
 
     Pure decode steps use the decode kernel (query heads grouped by KV head, split contexts); steps with
-    prompt chunks run the variable-length kernel over every request.
+    prompt chunks run the variable-length kernel over every request. Decode plans can be built over a
+    CUDA graph's static buffers (``graph_decode_plan``).
     """
 
     name = "triton"
+    capabilities = AttentionCapabilities(supports_cuda_graphs=True)
 
     def __init__(self, dtype: str = "bfloat16", device: str = "cuda"):
         from quire.kernels.triton_ops import attention, elementwise  # imports triton
@@ -51,8 +54,8 @@ class TritonAttentionBackend:
             is_decode_only=metadata.max_query_len == 1,
         )
 
-    def decode_plan(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_seq_len: int) -> TritonAttentionPlan:
+    def graph_decode_plan(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, max_seq_len: int) -> TritonAttentionPlan:
         """A pure decode plan over tensors the caller owns (the static buffers of a CUDA graph)."""
         return TritonAttentionPlan(slot_mapping, block_tables, seq_lens, query_start_loc, max_seq_len,
                                    max_query_len=1, is_decode_only=True)

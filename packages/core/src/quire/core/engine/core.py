@@ -1,4 +1,4 @@
-"""``EngineCore``: the scheduler and the model runner driven one step at a time (no sockets here)."""
+"""``EngineCore``: the scheduler and the executor (which runs the model) driven one step at a time."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 import time
 
 from quire.core.config import EngineConfig
+from quire.core.engine.executor import get_executor_class
 from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
 from quire.core.sched.kv_cache_manager import KVCacheManager
@@ -17,17 +18,20 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Loads the model, sizes the KV cache, and runs schedule → execute → update."""
+    """Loads the model, sizes the KV cache, and runs schedule → execute → update.
 
-    def __init__(self, config: EngineConfig):
-        from quire.core.worker.model_runner import ModelRunner  # torch stays out of light imports
+    The model runs behind an ``Executor`` chosen by name (``executor_backend``; ``"uniproc"``: one runner
+    in this process); the engine core never touches a model runner itself.
+    """
 
+    def __init__(self, config: EngineConfig, executor_backend: str = "uniproc"):
         self.config = config
+        executor_class = get_executor_class(executor_backend)  # an unknown name fails before any loading
         self.faults = Faults.from_env()
         self.faults.before_load()
-        self.model_runner = ModelRunner(config)
-        self.num_blocks = self.model_runner.num_kv_blocks()
-        self.model_runner.initialize_kv_cache(self.num_blocks)
+        self.executor = executor_class(config)
+        self.num_blocks = self.executor.num_kv_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,
             KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
@@ -55,7 +59,7 @@ class EngineCore:
     def _release_if_idle(self) -> None:
         # With no step coming, hand the runner the requests to drop now rather than at the next step.
         if not self.scheduler.has_unfinished_requests():
-            self.model_runner.remove_requests(self.scheduler.take_removed_request_ids())
+            self.executor.remove_requests(self.scheduler.take_removed_request_ids())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -68,7 +72,7 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
                 "num_blocks": self.num_blocks, "num_steps": self.num_steps,
-                "num_threads": self.model_runner.num_threads()}
+                "num_threads": self.executor.num_threads()}
 
     def get_step_timings(self, reset: bool = False) -> dict:
         """Seconds per phase (schedule, prepare_inputs, forward, sampling, update) and the number of steps."""
@@ -91,8 +95,9 @@ class EngineCore:
         in_use = [b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt != 0]
         if in_use:
             problems.append(f"blocks with references: {in_use[:10]}")
-        if self.model_runner.input_batch.num_reqs:
-            problems.append(f"{self.model_runner.input_batch.num_reqs} rows left in the model runner")
+        num_rows = self.executor.num_runner_rows()
+        if num_rows:
+            problems.append(f"{num_rows} rows left in the model runner")
         if problems:
             raise AssertionError("engine is not idle-clean: " + "; ".join(problems))
         return True
@@ -107,7 +112,7 @@ class EngineCore:
         timings.start()
         scheduler_output = self.scheduler.schedule()
         timings.mark("schedule")
-        runner_output = self.model_runner.execute(scheduler_output, timings)
+        runner_output = self.executor.execute_model(scheduler_output, timings)
         self.faults.rewrite_samples(runner_output.sampled_token_ids, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_if_idle()
@@ -115,3 +120,7 @@ class EngineCore:
         timings.num_steps += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())
+
+    def shutdown(self) -> None:
+        """Release the executor's runners and workers; the engine core is not used after this."""
+        self.executor.shutdown()

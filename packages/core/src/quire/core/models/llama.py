@@ -1,19 +1,17 @@
 """The Llama decoder, which also serves Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints.
 
 Module names mirror the Hugging Face checkpoints, except that q/k/v projections are fused into
-``qkv_proj`` and gate/up into ``gate_up_proj`` (``load_weights`` stacks them).
+``qkv_proj`` and gate/up into ``gate_up_proj`` (the registry entry's weight mapping stacks them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
+from quire.core.attention.backend import AttentionBackend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import ModelConfig
-from quire.core.errors import ConfigError
 from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from quire.kernels import decode_stack
 from quire.kernels import linear as linear_ops
@@ -22,7 +20,7 @@ from quire.kernels.rotary import rotate
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -75,7 +73,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, dtype)
         self.mlp = LlamaMLP(config, dtype)
@@ -94,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope)
@@ -112,11 +110,11 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary.factors(positions, hidden.dtype)  # once per step, for every layer
         if self.decode_stack is not None:
-            plan = metadata.plan
-            fused = getattr(plan, "fused_decode", None)
-            if fused is not None and fused.token_rows is None and not plan.prefills:  # every token a decode
-                return self.decode_stack.forward(hidden, kv_caches, fused.block_tables, fused.seq_lens,
-                                                 metadata.slot_mapping, *rotary)
+            stack_inputs = self.backend.decode_stack_inputs(metadata)  # None unless every token is a decode
+            if stack_inputs is not None:
+                block_tables, seq_lens = stack_inputs
+                return self.decode_stack.forward(hidden, kv_caches, block_tables, seq_lens, metadata.slot_mapping,
+                                                 *rotary)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
@@ -125,9 +123,9 @@ class LlamaModel(nn.Module):
 
     def build_decode_stack(self) -> None:
         """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer runs on
-        the C++ ``kernel`` path and the attention backend decodes with the C++ kernel (bfloat16 models on
-        AVX2 CPUs); otherwise decode steps keep going through the modules."""
-        if getattr(self.backend, "decode_kernel", None) is None:
+        the C++ ``kernel`` path and the attention backend offers the stack (``cpu_decode_stack``: bfloat16
+        models on AVX2 CPUs); otherwise decode steps keep going through the modules."""
+        if not self.backend.capabilities.cpu_decode_stack:
             return
         layers = []
         for layer in self.layers:
@@ -153,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` logits
     in the model's dtype."""
 
-    def __init__(self, config: ModelConfig, backend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         dtype = getattr(torch, config.dtype)
         self.config = config
@@ -180,55 +178,3 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and linear_ops.can_prepack(embedding):
             self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays
         self.model.build_decode_stack()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the (fused) parameters; fail if any parameter is left unset."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        expected = self._expected_shards(params)
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            target, offset = self._target(name)
-            if target not in params:
-                raise ConfigError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            rows = tensor.shape[0]
-            if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
-                raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"which does not fit {target} {tuple(param.shape)}")
-            param.data[offset:offset + rows].copy_(tensor)
-            filled.add(f"{target}@{offset}")
-        missing = sorted(expected - filled)
-        if missing:
-            raise ConfigError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
-
-    def _target(self, name: str) -> tuple[str, int]:
-        config = self.config
-        q_size = config.num_attention_heads * config.head_dim
-        kv_size = config.num_key_value_heads * config.head_dim
-        stacked = {
-            ".q_proj.": (".qkv_proj.", 0),
-            ".k_proj.": (".qkv_proj.", q_size),
-            ".v_proj.": (".qkv_proj.", q_size + kv_size),
-            ".gate_proj.": (".gate_up_proj.", 0),
-            ".up_proj.": (".gate_up_proj.", config.intermediate_size),
-        }
-        for part, (fused, offset) in stacked.items():
-            if part in name:
-                return name.replace(part, fused), offset
-        return name, 0
-
-    def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[str]:
-        config = self.config
-        q_size = config.num_attention_heads * config.head_dim
-        kv_size = config.num_key_value_heads * config.head_dim
-        expected = set()
-        for name in params:
-            if ".qkv_proj." in name:
-                expected |= {f"{name}@0", f"{name}@{q_size}", f"{name}@{q_size + kv_size}"}
-            elif ".gate_up_proj." in name:
-                expected |= {f"{name}@0", f"{name}@{config.intermediate_size}"}
-            else:
-                expected.add(f"{name}@0")
-        return expected

@@ -1,15 +1,18 @@
-"""Reading checkpoint tensors from ``*.safetensors`` files (single or sharded, memory-mapped)."""
+"""Reading checkpoint tensors from ``*.safetensors`` files (single or sharded, memory-mapped) into a model."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
+from quire.core.models.registry import WeightMapping
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -31,3 +34,28 @@ def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: WeightMapping,
+                 config: ModelConfig) -> None:
+    """Copy checkpoint tensors into the model's (fused) parameters as ``mapping`` places them; raise
+    ConfigError for a tensor with no place or the wrong shape, and if any parameter is left unset."""
+    params = dict(model.named_parameters())
+    filled: set[tuple[str, int]] = set()
+    for name, tensor in weights:
+        if mapping.is_skipped(name, config):
+            continue
+        target, offset = mapping.target(name, config)
+        if target not in params:
+            raise ConfigError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param = params[target]
+        rows = tensor.shape[0]
+        if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
+            raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                              f"which does not fit {target} {tuple(param.shape)}")
+        param.data[offset:offset + rows].copy_(tensor)
+        filled.add((target, offset))
+    missing = sorted(mapping.expected_shards(params, config) - filled)
+    if missing:
+        raise ConfigError("checkpoint is missing weights for: "
+                          + ", ".join(f"{name}@{offset}" for name, offset in missing[:8]))

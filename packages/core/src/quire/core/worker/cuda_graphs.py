@@ -47,7 +47,7 @@ class CudaGraphRunner:
         metadata = AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
                                      query_start_loc=list(range(size + 1)), seq_lens=[0] * size,
                                      max_query_len=1, block_size=self.block_size)
-        metadata.plan = self.attn_backend.decode_plan(
+        metadata.plan = self.attn_backend.graph_decode_plan(
             self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
             self.query_start_loc[:size + 1], self.max_model_len)
         return metadata

@@ -10,14 +10,14 @@ import torch
 from quire.core.attention import get_attention_backend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import EngineConfig
-from quire.core.models import get_model_class
-from quire.core.models.weights import iterate_weights
+from quire.core.models import get_model_entry
+from quire.core.models.weights import iterate_weights, load_weights
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
 from quire.core.wire import Logprobs
-from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.cuda_graphs import CudaGraphRunner
 from quire.core.worker.gpu_memory import profile_kv_blocks, resolve_device
+from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
@@ -33,11 +33,16 @@ _NO_TIMINGS = _NoTimings()
 
 @dataclasses.dataclass
 class StepInputs:
-    """Tensors for one forward pass, and which rows sample afterwards."""
+    """Tensors for one forward pass, and which rows sample afterwards.
+
+    NOTE: with ``use_cuda_graph`` the step replays a captured decode graph and ``attn_metadata`` is left
+    unprepared (its ``plan`` None): the graph's own plan reads the static buffers the step is copied into.
+    """
 
     input_ids: torch.Tensor
     positions: np.ndarray
     attn_metadata: AttentionMetadata
+    use_cuda_graph: bool
     rows: np.ndarray  # persistent-batch rows scheduled in this step, in token order
     query_start_loc: np.ndarray
     sampling_rows: np.ndarray  # rows that sample, in logits order
@@ -56,9 +61,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)(model_config.dtype, str(self.device))
+        entry = get_model_entry(model_config.architecture)
         with self.device:  # parameters and buffers are created on the device
-            self.model = get_model_class(model_config.architecture)(model_config, self.attn_backend)
-        self.model.load_weights(iterate_weights(model_config.path))
+            self.model = entry.model_class()(model_config, self.attn_backend)
+        load_weights(self.model, iterate_weights(model_config.path), entry.weights, model_config)
         self.model.prepack()
         self.model.eval()
         max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
@@ -78,7 +84,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size, self.device)
-        if self.device.type == "cuda" and not self.config.enforce_eager and hasattr(self.attn_backend, "decode_plan"):
+        if (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.attn_backend.capabilities.supports_cuda_graphs):
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, self.config.scheduler.max_num_seqs,
                 self.input_batch.block_table.shape[1], self.config.model.max_model_len, self.block_size,
@@ -106,15 +113,14 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
-        metadata = inputs.attn_metadata
-        if metadata.plan is None:  # left unplanned by _prepare_inputs: a decode step for a CUDA graph
-            return self.cuda_graphs.run(inputs.input_ids, positions, metadata)
-        return self.model(inputs.input_ids, positions, self.kv_caches, metadata)
+        if inputs.use_cuda_graph:
+            return self.cuda_graphs.run(inputs.input_ids, positions, inputs.attn_metadata)
+        return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata)
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         batch = self.input_batch
         metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
-        if logits.device.type != "cpu" and not metadata.plain_greedy:
+        if logits.device.type != "cpu" and not self.sampler.is_plain_greedy(metadata):
             logits = logits.float().cpu()  # NOTE: the sampler's generators and tables live on the CPU
         sampled = self.sampler(logits, metadata)
         tokens = sampled.token_ids.cpu().numpy()
@@ -188,12 +194,14 @@ class ModelRunner:
             block_size=self.block_size,
         )
         graphs = self.cuda_graphs
-        if graphs is None or metadata.max_query_len != 1 or not graphs.can_run(len(rows)):
+        use_cuda_graph = graphs is not None and metadata.max_query_len == 1 and graphs.can_run(len(rows))
+        if not use_cuda_graph:
             self.attn_backend.prepare(metadata)
         return StepInputs(
             input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(self.device, non_blocking=True),
             positions=positions,
             attn_metadata=metadata,
+            use_cuda_graph=use_cuda_graph,
             rows=rows,
             query_start_loc=query_start_loc,
             sampling_rows=rows[samples],

@@ -1,20 +1,23 @@
 """Turning logits into tokens.
 
-Order (as in vLLM): raw logprobs (if asked) → allowed token ids → bad words → min-tokens masking →
-logit bias → repetition, frequency and presence penalties → greedy argmax → temperature → min-p →
-top-k / top-p → sample. Random rows race exponential noise (``argmax(p / q)`` with ``q ~ Exp(1)``, which
-samples from ``p``); a row with a seed draws its noise from a generator seeded by ``(seed, output
-position)``, so its tokens depend neither on the batch it runs in nor on preemptions.
+Order (as in vLLM): raw logprobs (if asked) → the logits processors (``logits_processors``: allowed
+token ids → bad words and min-tokens masking → logit bias → any added processor) → repetition, frequency
+and presence penalties → greedy argmax → temperature → min-p → top-k / top-p → sample. Random rows race
+exponential noise (``argmax(p / q)`` with ``q ~ Exp(1)``, which samples from ``p``); a row with a seed
+draws its noise from a generator seeded by ``(seed, output position)``, so its tokens depend neither on
+the batch it runs in nor on preemptions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from quire.core.sampling_params import GREEDY_TEMPERATURE
 from quire.core.wire import Logprobs
+from quire.core.worker.logits_processors import LogitsProcessorPipeline, default_logits_processors
 from quire.kernels.sampling import argmax
 
 
@@ -31,7 +34,12 @@ class Penalties:
 
 @dataclasses.dataclass
 class SamplingMetadata:
-    """Per-row sampling parameters of the rows that sample in this step."""
+    """Per-row sampling parameters of the rows that sample in this step (row ``i`` = logits row ``i``).
+
+    ``processor_inputs`` carries per-step data of logits processors that have no field here, by a key
+    each processor documents: e.g. a grammar bitmask built by the engine core (``[B, ceil(vocab / 32)]``
+    int32, one bit per allowed token) under its processor's key. Empty when no such processor has input.
+    """
 
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor | None = None  # [B] int64, a huge value where disabled; None if no row uses it
@@ -43,16 +51,11 @@ class SamplingMetadata:
     logit_bias: dict[int, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
     penalties: Penalties | None = None
     num_logprobs: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> k (-1: vocabulary)
+    processor_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature < GREEDY_TEMPERATURE).all())
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Every row takes its most likely token and nothing changes the logits or asks for logprobs."""
-        return (not (self.allowed_token_ids or self.banned_token_ids or self.logit_bias or self.num_logprobs)
-                and self.penalties is None and self.all_greedy)
 
 
 @dataclasses.dataclass
@@ -62,38 +65,36 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row; unseeded random rows use the runner's generator."""
+    """Samples one token per row; unseeded random rows use the runner's generator.
 
-    def __init__(self, generator: torch.Generator):
+    ``logits_processors`` (by default the built-in pipeline) may be given, or appended to, to add a step.
+    """
+
+    def __init__(self, generator: torch.Generator, logits_processors: LogitsProcessorPipeline | None = None):
         self.generator = generator
+        self.logits_processors = default_logits_processors() if logits_processors is None else logits_processors
+
+    def is_plain_greedy(self, metadata: SamplingMetadata) -> bool:
+        """Every row takes its most likely token and nothing changes the logits or asks for logprobs."""
+        return (metadata.all_greedy and not metadata.num_logprobs and metadata.penalties is None
+                and not self.logits_processors.is_active(metadata))
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` are ``[B, vocab]`` in the model's dtype (float32 is used from here on, except by a
         plain greedy step, whose argmax is the same in either)."""
-        if metadata.plain_greedy:
+        if self.is_plain_greedy(metadata):
             return SamplerOutput(argmax(logits), {})
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.num_logprobs else None
-        logits = self._process(logits, metadata)
+        logits = self.logits_processors.apply(logits, metadata)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
         tokens = self._sample(logits, metadata)
         logprobs = {}
         if raw_logprobs is not None:
             for row, k in metadata.num_logprobs.items():
                 logprobs[row] = gather_logprobs(raw_logprobs[row:row + 1], tokens[row:row + 1], k)
         return SamplerOutput(tokens, logprobs)
-
-    def _process(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        for row, token_ids in metadata.allowed_token_ids.items():
-            keep = logits[row, token_ids]
-            logits[row] = float("-inf")
-            logits[row, token_ids] = keep
-        for row, token_ids in metadata.banned_token_ids.items():
-            logits[row, token_ids] = float("-inf")
-        for row, (token_ids, biases) in metadata.logit_bias.items():
-            logits[row, token_ids] += torch.tensor(biases, dtype=logits.dtype)
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
-        return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = argmax(logits)
