@@ -74,13 +74,13 @@ def quire_run(llm, requests) -> tuple[float, dict]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     engine = llm.llm_engine
     assert llm.reset_prefix_cache()
-    engine.engine_core.call_utility("get_step_timings", True)
+    engine.get_step_timings(reset=True)
     engine.reset_frontend_timings()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
-    breakdown = engine.engine_core.call_utility("get_step_timings")
+    breakdown = engine.get_step_timings()
     breakdown.update(engine.frontend_timings)
     breakdown["wall"] = elapsed
     return elapsed, breakdown

@@ -224,7 +224,7 @@ def main() -> None:
         servers = {kind: start(kind, checkpoint, step) for kind in ("quire", "bare")}
         samples = {kind: {"server": [], "client": [], "tok/s": []} for kind in servers}
         try:
-            for kind, (_, url) in servers.items():  # warm-up
+            for _, url in servers.values():  # warm-up
                 run_clients(url, str(checkpoint), args.clients, 2, args.clients, seed=1)
             for repeat in range(args.repeats):
                 for kind, (process, url) in servers.items():

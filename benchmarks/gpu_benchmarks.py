@@ -15,13 +15,13 @@ to ``--out`` and prints the Markdown.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-
 from common import bench_checkpoint, workload
 
 
@@ -67,7 +67,8 @@ def decode_attention(copy_bw: float) -> list[dict]:
         cache, tables = paged_cache(num_seqs, seq_len, num_kv_heads, head_dim)
         query = torch.randn(num_seqs, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
-        ms = timed_ms(lambda: paged_decode(query, cache[0], cache[1], tables, seq_lens, head_dim**-0.5, seq_len))
+        ms = timed_ms(functools.partial(paged_decode, query, cache[0], cache[1], tables, seq_lens, head_dim**-0.5,
+                                        seq_len))
         kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_dim * cache.element_size()
         bandwidth = kv_bytes / (ms / 1e3)
         rows.append({"requests": num_seqs, "context": seq_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
@@ -86,13 +87,13 @@ def prefill_attention() -> list[dict]:
         query = torch.randn(num_seqs * seq_len, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
         starts = (torch.arange(num_seqs + 1, device="cuda") * seq_len).to(torch.int32)
-        ms = timed_ms(lambda: paged_prefill(query, cache[0], cache[1], tables, seq_lens, starts, head_dim**-0.5,
-                                            seq_len), repeats=10)
+        ms = timed_ms(functools.partial(paged_prefill, query, cache[0], cache[1], tables, seq_lens, starts,
+                                        head_dim**-0.5, seq_len), repeats=10)
         flops = 2 * num_seqs * seq_len * seq_len * head_dim * num_heads  # QK^T and PV, causal half of each
         q4 = query.view(num_seqs, seq_len, num_heads, head_dim).transpose(1, 2)
         kv = torch.randn(num_seqs, num_kv_heads, seq_len, head_dim, dtype=torch.bfloat16, device="cuda")
-        sdpa_ms = timed_ms(lambda: F.scaled_dot_product_attention(q4, kv, kv, is_causal=True, enable_gqa=True),
-                           repeats=10)
+        sdpa_ms = timed_ms(functools.partial(F.scaled_dot_product_attention, q4, kv, kv, is_causal=True,
+                                             enable_gqa=True), repeats=10)
         rows.append({"requests": num_seqs, "prompt": seq_len, "heads": f"{num_heads}/{num_kv_heads}x{head_dim}",
                      "ms": ms, "TFLOP/s": flops / (ms / 1e3) / 1e12, "sdpa_ms": sdpa_ms,
                      "sdpa TFLOP/s": flops / (sdpa_ms / 1e3) / 1e12})

@@ -19,6 +19,7 @@ from pathlib import Path
 from common import bench_checkpoint, workload, workload_parser
 
 from quire.cli.bench_offline import hf_throughput, quire_throughput
+from quire.core.engine_args import EngineArgs
 
 
 def parse_args():
@@ -36,8 +37,8 @@ def main() -> None:
         print(f"workload: {len(requests)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
               f"outputs {args.output_len[0]}-{args.output_len[1]} tokens ({num_output_tokens} in all), "
               f"{args.dtype}, median of {args.repeats}")
-        quire_time = statistics.median(quire_throughput(folder, requests, args.dtype, len(requests))
-                                       for _ in range(args.repeats))
+        engine_args = EngineArgs(model=folder, dtype=args.dtype, max_num_seqs=len(requests))
+        quire_time = statistics.median(quire_throughput(engine_args, requests) for _ in range(args.repeats))
         hf_time = statistics.median(hf_throughput(folder, requests, args.dtype, len(requests))
                                     for _ in range(args.repeats))
     quire_rate, hf_rate = num_output_tokens / quire_time, num_output_tokens / hf_time

@@ -74,7 +74,7 @@ def main() -> None:
                     return x
                 runners["quire"] = quire
             times = {name: [] for name in runners}
-            for name, run in runners.items():
+            for run in runners.values():
                 run(x)  # warm-up
             for _ in range(args.repeats):
                 for name, run in runners.items():

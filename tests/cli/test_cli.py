@@ -108,7 +108,8 @@ def test_bench_serve_against_a_real_server(demo_server, tmp_path):
                                  "--max-concurrency", "4", "--output-json", str(tmp_path / "r.json"),
                                  "--plot", str(tmp_path / "latency.png")])
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert "Serving Benchmark Result" in result.stdout and "Successful requests:                     12" in result.stdout
+    assert "Serving Benchmark Result" in result.stdout
+    assert "Successful requests:                     12" in result.stdout
     for section in ("Time to First Token", "Time per Output Token", "Inter-token Latency"):
         assert section in result.stdout
     summary = json.loads((tmp_path / "r.json").read_text())

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from quire.core.chat import render_chat
 from quire.core.errors import ConfigError, ValidationError
+from quire.core.renderer import ChatPrompt, Renderer
 from quire.core.tokenizer import load_tokenizer
 from quire.offline import LLM, SamplingParams
 
@@ -107,3 +107,7 @@ def test_text_parts_are_joined(llama_checkpoint):
     tokenizer = load_tokenizer(str(llama_checkpoint))
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert tokenizer.decode(render_chat(tokenizer, parts)).startswith("<|im_start|>user\na\nb<|im_end|>")
+
+
+def render_chat(tokenizer, messages, chat_template=None) -> list[int]:
+    return Renderer(tokenizer, len(tokenizer)).render(ChatPrompt(messages, chat_template)).token_ids

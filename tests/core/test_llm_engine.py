@@ -1,8 +1,8 @@
-"""LLMEngine driven by hand: output kinds, abort, duplicate ids, the EngineClient protocol."""
+"""LLMEngine driven by hand: output kinds, abort, duplicate ids, the SyncEngineClient protocol."""
 
 import pytest
 
-from quire.core import EngineArgs, EngineClient, LLMEngine, RequestOutputKind, SamplingParams
+from quire.core import EngineArgs, EngineClient, LLMEngine, RequestOutputKind, SamplingParams, SyncEngineClient
 from quire.core.errors import ValidationError
 
 
@@ -26,7 +26,7 @@ def params(kind, n=6):
 
 
 def test_is_an_engine_client(engine):
-    assert isinstance(engine, EngineClient)
+    assert isinstance(engine, SyncEngineClient) and not isinstance(engine, EngineClient)
     engine.check_health()
     assert engine.is_running and not engine.errored
 

@@ -80,9 +80,9 @@ def test_an_invalid_interval_names_the_field(bad):
 
 
 def test_the_engine_interval_comes_from_the_server_flag_and_engine_args(tiny_checkpoint):
+    from quire.core.engine.llm_engine import LLMEngine
     from quire.core.engine_args import EngineArgs
     from quire.core.errors import ConfigError
-    from quire.core.engine.llm_engine import LLMEngine
     from quire.openai_server.cli import build_parser, settings_from_args
 
     engine_args, _ = settings_from_args(build_parser().parse_args(["--stream-interval", "4"]))
@@ -90,6 +90,6 @@ def test_the_engine_interval_comes_from_the_server_flag_and_engine_args(tiny_che
     with pytest.raises(ConfigError, match="stream_interval"):
         EngineArgs(model=tiny_checkpoint("llama"), stream_interval=0).create_engine_config()
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_checkpoint("llama"), stream_interval=3,
-                                                   max_model_len=64, multiprocess=False))
+                                                   max_model_len=64), multiprocess=False)
     assert engine.output_processor.stream_interval == 3
     engine.shutdown()

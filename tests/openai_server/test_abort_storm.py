@@ -83,7 +83,8 @@ def test_a_thousand_aborts_leave_nothing_behind():
         baseline = httpx.get(server.url("/debug/state"), timeout=10).json()["engine"]["num_free_blocks"]
         started, tally, usage = time.monotonic(), {}, []
         for round_number in range(NUM_ROUNDS):
-            for kind, count in asyncio.run(storm(server.base_url, NUM_REQUESTS // NUM_ROUNDS, seed=round_number)).items():
+            counts = asyncio.run(storm(server.base_url, NUM_REQUESTS // NUM_ROUNDS, seed=round_number))
+            for kind, count in counts.items():
                 tally[kind] = tally.get(kind, 0) + count
             wait_idle(server, seconds=30)
             usage.append({pid: process_usage(pid) for pid in pids})

@@ -1,46 +1,34 @@
 """API keys guard every route but the liveness probes (the test walks the app's own route table), and
-CORS answers only configured origins. In-process, with a stand-in engine."""
-
-import types
+CORS answers only configured origins. In-process, with a fake engine client."""
 
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
+from quire.core.config import ModelConfig
+from quire.core.tokenizer import load_tokenizer
 from quire.openai_server.app import build_app
 from quire.openai_server.middleware import UNGUARDED_PATHS
 from quire.openai_server.settings import ServerSettings
+from tests.openai_server.fake_engine import FakeEngineClient
 
 KEYS = ("key-one", "key-two")
 
 
-class StandInEngine:
-    """Just enough of an engine client for requests to reach their handlers."""
-
-    def __init__(self, tokenizer):
-        self.model_config = types.SimpleNamespace(path="/models/x", vocab_size=len(tokenizer), sampling_defaults={})
-        self.max_model_len = 128
-        self.errored = False
-        self.stat_loggers = []
-        self.collectors = {}
-        self._tokenizer = tokenizer
-
-    def get_tokenizer(self):
-        return self._tokenizer
-
-    def render_chat(self, messages, *args):
-        return [1, 2, 3]
+class FailingEngine(FakeEngineClient):
+    """An engine client whose every request fails unexpectedly."""
 
     async def add_request(self, *args, **kwargs):
         raise RuntimeError("the stand-in engine generates nothing")
 
 
 @pytest.fixture
-def client(tiny_tokenizer):
+def client(llama_checkpoint):
     settings = ServerSettings(served_model_names=["m"], api_keys=KEYS, allowed_origins=("https://ok.example",),
                               enable_debug_routes=True)
-    app = build_app(StandInEngine(tiny_tokenizer), settings)
+    engine = FailingEngine(ModelConfig.from_hf(llama_checkpoint), load_tokenizer(str(llama_checkpoint)))
+    app = build_app(engine, settings)
     return TestClient(app, raise_server_exceptions=False)
 
 

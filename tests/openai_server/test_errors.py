@@ -119,3 +119,23 @@ def test_oversized_bodies_are_refused_before_parsing(demo_server):
     streamed = httpx.post(demo_server.url(C), content=chunks(), headers={"content-type": "application/json"},
                           timeout=60)
     assert streamed.status_code == 413
+
+
+def test_the_server_and_llm_word_an_over_long_prompt_the_same(demo_server):
+    """One input path: the server's 400 and the offline ``LLM``'s ValidationError carry the same text."""
+    from quire.core.errors import ValidationError
+    from quire.offline import LLM
+
+    prompt, messages = "word " * 3000, [{"role": "user", "content": "word " * 3000}]
+    served = httpx.post(demo_server.url(C), json={"prompt": prompt}, timeout=60).json()["error"]
+    served_chat = httpx.post(demo_server.url(CHAT), json={"messages": messages}, timeout=60).json()["error"]
+    llm = LLM(dtype="float32", multiprocess=False)
+    with pytest.raises(ValidationError) as offline:
+        llm.generate(prompt, use_tqdm=False)
+    with pytest.raises(ValidationError) as offline_chat:
+        llm.chat(messages, use_tqdm=False)
+    llm.shutdown()
+    assert served["message"] == offline.value.message and served["param"] == offline.value.param == "prompt"
+    assert served_chat["message"] == offline_chat.value.message
+    assert served_chat["param"] == offline_chat.value.param == "messages"
+    assert "maximum context length" in served["message"] and served["code"] == "context_length_exceeded"

@@ -8,7 +8,6 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quire.openai_server.metrics import ITL_BUCKETS, BatchHistogram
-
 from tests.servers import ServerProcess
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 10, 8, 10

@@ -111,7 +111,7 @@ def test_completion_logprobs(openai_client):
     logprobs = out.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
     assert "".join(logprobs.tokens) == out.choices[0].text
-    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    for value, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
         assert value <= 0 and len(top) in (3, 4) and max(top.values()) == pytest.approx(value)
 
 

@@ -192,7 +192,8 @@ def test_the_port_answers_while_the_model_loads():
         assert busy.headers["retry-after"]
         while time.monotonic() < deadline and httpx.get(base + "/health", timeout=2).status_code != 200:
             time.sleep(0.1)
-        assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
+        answer = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert answer.status_code == 200
     finally:
         process.terminate()
         output, _ = process.communicate(timeout=30)

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from quire.openai_server.serving import merge_streams
 from quire.openai_server.server import event_loop_factory
+from quire.openai_server.serving import merge_streams
 
 
 def tracked_stream(name: str, items: list, closed: list):

@@ -48,8 +48,7 @@ def make_async_llm(llama_checkpoint, monkeypatch):
             monkeypatch.setenv(FAULTS_ENV, faults)
         else:
             monkeypatch.delenv(FAULTS_ENV, raising=False)
-        args = EngineArgs(model=str(llama_checkpoint), dtype="float32", max_model_len=256,
-                          multiprocess=True, **kwargs)
+        args = EngineArgs(model=str(llama_checkpoint), dtype="float32", max_model_len=256, **kwargs)
         engine = AsyncLLM.from_engine_args(args)
         created.append(engine)
         return engine

@@ -1,6 +1,5 @@
-from tests.core.sched.helpers import make_request
-
 from quire.core.sched.kv_cache_manager import KVCacheManager
+from tests.core.sched.helpers import make_request
 
 
 def test_allocate_slots_adds_only_the_blocks_a_step_needs():

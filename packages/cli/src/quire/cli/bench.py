@@ -3,36 +3,39 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option("--model", help="Checkpoint folder (default: quire-demo).")]
-Dtype = Annotated[str, typer.Option(help="auto, float32 or bfloat16.")]
-OutputJson = Annotated[Optional[Path], typer.Option(help="Also write the results to this JSON file.")]
+from quire.cli.engine_options import with_engine_options
+from quire.core.engine_args import EngineArgs
+
+OutputJson = Annotated[Path | None, typer.Option(help="Also write the results to this JSON file.")]
 
 
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command()
+    @with_engine_options
     def latency(
-        model: Model = None,
+        engine_args: EngineArgs,
         input_len: Annotated[int, typer.Option(min=1)] = 32,
         output_len: Annotated[int, typer.Option(min=1)] = 128,
         batch_size: Annotated[int, typer.Option(min=1)] = 8,
         n: Annotated[int, typer.Option(min=1)] = 1,
         num_iters_warmup: Annotated[int, typer.Option(min=0)] = 2,
         num_iters: Annotated[int, typer.Option(min=1)] = 10,
-        dtype: Dtype = "auto",
         output_json: OutputJson = None,
     ):
         """Latency of one batch: Avg latency and percentiles over iterations (offline)."""
         from quire.cli.bench_offline import run_latency
 
-        run_latency(model, input_len, output_len, batch_size, n, num_iters_warmup, num_iters, dtype, output_json)
+        run_latency(engine_args, input_len, output_len, batch_size, n, num_iters_warmup, num_iters,
+                    output_json)
 
     @bench_app.command()
+    @with_engine_options
     def throughput(
-        model: Model = None,
+        engine_args: EngineArgs,
         backend: Annotated[str, typer.Option(help="quire, or hf (transformers' padded batched generate).")] = "quire",
         dataset_name: Annotated[str, typer.Option(help="random (lengths vary by --random-range-ratio) or fixed.")]
         = "random",
@@ -40,32 +43,30 @@ def register(bench_app: typer.Typer) -> None:
         output_len: Annotated[int, typer.Option(min=1)] = 128,
         random_range_ratio: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.5,
         num_prompts: Annotated[int, typer.Option(min=1)] = 64,
-        hf_max_batch_size: Annotated[Optional[int], typer.Option(min=1, help="hf: prompts per padded batch.")]
+        hf_max_batch_size: Annotated[int | None, typer.Option(min=1, help="hf: prompts per padded batch.")]
         = None,
-        seed: int = 0,
-        dtype: Dtype = "auto",
-        max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
         output_json: OutputJson = None,
     ):
-        """Offline throughput (requests/s, tokens/s) of Quire or transformers on the same workload."""
+        """Offline throughput (requests/s, tokens/s) of Quire or transformers on the same workload (the
+        dataset is drawn with --seed)."""
         from quire.cli.bench_offline import run_throughput
 
         if backend not in ("quire", "hf"):
             raise typer.BadParameter("must be quire or hf", param_hint="--backend")
         if dataset_name not in ("random", "fixed"):
             raise typer.BadParameter("must be random or fixed", param_hint="--dataset-name")
-        run_throughput(model, backend, dataset_name, input_len, output_len, random_range_ratio, num_prompts,
-                       hf_max_batch_size, seed, dtype, max_num_seqs, output_json)
+        run_throughput(engine_args, backend, dataset_name, input_len, output_len, random_range_ratio,
+                       num_prompts, hf_max_batch_size, output_json)
 
     @bench_app.command()
     def serve(
-        base_url: Annotated[Optional[str], typer.Option(help="Server root, e.g. http://localhost:8000.")] = None,
+        base_url: Annotated[str | None, typer.Option(help="Server root, e.g. http://localhost:8000.")] = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         endpoint: Annotated[str, typer.Option(help="/v1/completions or /v1/chat/completions.")]
         = "/v1/completions",
-        model: Annotated[Optional[str], typer.Option(help="Served model name (default: the first).")] = None,
-        api_key: Annotated[Optional[str], typer.Option(envvar="QUIRE_API_KEY")] = None,
+        model: Annotated[str | None, typer.Option(help="Served model name (default: the first).")] = None,
+        api_key: Annotated[str | None, typer.Option(envvar="QUIRE_API_KEY")] = None,
         dataset_name: Annotated[str, typer.Option(help="random (token-id prompts).")] = "random",
         random_input_len: Annotated[int, typer.Option(min=1)] = 128,
         random_output_len: Annotated[int, typer.Option(min=1)] = 64,
@@ -74,15 +75,15 @@ def register(bench_app: typer.Typer) -> None:
         request_rate: Annotated[str, typer.Option(help="Requests/s (Poisson), or inf for all at once.")] = "inf",
         burstiness: Annotated[float, typer.Option(help="1 = Poisson; larger = more regular; "
                                                        "0 = a fixed interval.")] = 1.0,
-        request_rates: Annotated[Optional[str], typer.Option(help="Sweep rates, e.g. 1,2,4 (one run each).")]
+        request_rates: Annotated[str | None, typer.Option(help="Sweep rates, e.g. 1,2,4 (one run each).")]
         = None,
-        max_concurrency: Annotated[Optional[int], typer.Option(min=1)] = None,
+        max_concurrency: Annotated[int | None, typer.Option(min=1)] = None,
         ignore_eos: Annotated[bool, typer.Option(help="Generate exactly the requested output lengths.")] = True,
         percentile_metrics: str = "ttft,tpot,itl",
         metric_percentiles: str = "99",
         seed: int = 0,
         output_json: OutputJson = None,
-        plot: Annotated[Optional[Path], typer.Option(help="Draw latency distributions (or, with "
+        plot: Annotated[Path | None, typer.Option(help="Draw latency distributions (or, with "
                                                          "--request-rates, throughput vs p99) to a PNG.")] = None,
     ):
         """Drive a running server and report throughput and latency percentiles (vLLM's result block)."""

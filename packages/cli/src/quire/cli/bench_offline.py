@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -26,12 +27,18 @@ def make_requests(num_prompts: int, input_len: int, output_len: int, range_ratio
             for _ in range(num_prompts)]
 
 
-def _model_path(model: str | None) -> str:
-    if model is not None:
-        return model
+def _model_path(engine_args) -> str:
+    if engine_args.model is not None:
+        return engine_args.model
     from quire.core.demo import demo_model_path
 
     return str(demo_model_path())
+
+
+def _llm(engine_args):
+    from quire.offline import LLM
+
+    return LLM(**dataclasses.asdict(engine_args))
 
 
 def _vocab_size(model_path: str) -> int:
@@ -43,11 +50,11 @@ def _write_json(path: Path | None, data: dict) -> None:
         path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def run_latency(model, input_len, output_len, batch_size, n, num_iters_warmup, num_iters, dtype, output_json):
-    from quire.offline import LLM, SamplingParams
+def run_latency(engine_args, input_len, output_len, batch_size, n, num_iters_warmup, num_iters, output_json):
+    from quire.offline import SamplingParams
 
-    path = _model_path(model)
-    llm = LLM(path, dtype=dtype, max_num_seqs=max(batch_size * n, 1))
+    path = _model_path(engine_args)
+    llm = _llm(engine_args)
     prompts = [prompt for prompt, _ in make_requests(batch_size, input_len, output_len, 0.0, _vocab_size(path), 0)]
     params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=output_len, ignore_eos=True)
     print(f"batch of {batch_size}, {input_len} prompt and {output_len} output tokens, n={n}", file=sys.stderr)
@@ -67,15 +74,15 @@ def run_latency(model, input_len, output_len, batch_size, n, num_iters_warmup, n
                               "percentiles": {str(p): v for p, v in percentiles.items()}})
 
 
-def run_throughput(model, backend, dataset_name, input_len, output_len, range_ratio, num_prompts,
-                   hf_max_batch_size, seed, dtype, max_num_seqs, output_json):
-    path = _model_path(model)
+def run_throughput(engine_args, backend, dataset_name, input_len, output_len, range_ratio, num_prompts,
+                   hf_max_batch_size, output_json):
+    path = _model_path(engine_args)
     ratio = range_ratio if dataset_name == "random" else 0.0
-    requests = make_requests(num_prompts, input_len, output_len, ratio, _vocab_size(path), seed)
+    requests = make_requests(num_prompts, input_len, output_len, ratio, _vocab_size(path), engine_args.seed)
     if backend == "quire":
-        elapsed = quire_throughput(path, requests, dtype, max_num_seqs)
+        elapsed = quire_throughput(engine_args, requests)
     else:
-        elapsed = hf_throughput(path, requests, dtype, hf_max_batch_size or len(requests))
+        elapsed = hf_throughput(path, requests, engine_args.dtype, hf_max_batch_size or len(requests))
     num_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
     num_output_tokens = sum(n for _, n in requests)
     total = num_prompt_tokens + num_output_tokens
@@ -89,10 +96,10 @@ def run_throughput(model, backend, dataset_name, input_len, output_len, range_ra
                               "output_tokens_per_second": num_output_tokens / elapsed})
 
 
-def quire_throughput(path: str, requests, dtype: str, max_num_seqs: int) -> float:
-    from quire.offline import LLM, SamplingParams
+def quire_throughput(engine_args, requests) -> float:
+    from quire.offline import SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_num_seqs=max_num_seqs)
+    llm = _llm(engine_args)
     prompts = [prompt for prompt, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

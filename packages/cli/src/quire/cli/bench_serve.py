@@ -161,7 +161,7 @@ async def _one(target: _Target, config: ServeBenchConfig, model: str, prompt: li
                 REQUEST_TIMEOUT_SECONDS)
             transport.write(target.head + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
             await asyncio.wait_for(stream.done, REQUEST_TIMEOUT_SECONDS)
-        except (OSError, asyncio.TimeoutError) as error:
+        except (TimeoutError, OSError) as error:
             result.error = result.error or type(error).__name__
         finally:
             if transport is not None:
@@ -298,7 +298,7 @@ _SECTIONS = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output 
 
 def print_result_block(config: ServeBenchConfig, summary: dict) -> None:
     def row(label, value, fmt="{:<10.2f}"):
-        print("{:<40} ".format(label) + fmt.format(value))
+        print(f"{label:<40} " + fmt.format(value))
 
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
     row("Successful requests:", summary["completed"], "{:<10}")

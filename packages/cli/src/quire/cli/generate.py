@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -27,8 +28,8 @@ def read_prompts(prompts: list[str] | None, input_file: Path | None) -> list:
     return items
 
 
-def run_generate(model, prompts, input_file, output_format, max_tokens, temperature, top_p, top_k, seed, n,
-                 dtype, max_model_len) -> int:
+def run_generate(engine_args, prompts, input_file, output_format, max_tokens, temperature, top_p, top_k,
+                 n) -> int:
     if output_format not in ("text", "jsonl"):
         print("error: --output-format must be text or jsonl", file=sys.stderr)
         return 2
@@ -44,9 +45,8 @@ def run_generate(model, prompts, input_file, output_format, max_tokens, temperat
     from quire.offline import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, n=n)
-        llm = LLM(model, dtype=dtype, max_model_len=max_model_len)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n)
+        llm = LLM(**dataclasses.asdict(engine_args))
         chat_rows = [i for i, item in enumerate(items) if isinstance(item, list)]
         text_rows = [i for i, item in enumerate(items) if not isinstance(item, list)]
         outputs = dict(zip(text_rows, llm.generate([items[i] for i in text_rows], params) if text_rows else []))

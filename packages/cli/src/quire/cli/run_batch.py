@@ -83,14 +83,12 @@ async def _run(lines: list[str], engine_args, max_inflight: int) -> list[dict]:
     return results
 
 
-def run_batch_file(input_file: Path, output_file: Path, model, max_inflight, dtype, max_model_len) -> int:
-    from quire.core.engine_args import EngineArgs
+def run_batch_file(input_file: Path, output_file: Path, engine_args, max_inflight: int) -> int:
     from quire.core.errors import QuireError
 
     lines = [line for line in input_file.read_text().splitlines() if line.strip()]
-    args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, multiprocess=True)
     try:
-        results = asyncio.run(_run(lines, args, max_inflight))
+        results = asyncio.run(_run(lines, engine_args, max_inflight))
     except QuireError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

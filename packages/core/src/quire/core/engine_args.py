@@ -1,101 +1,32 @@
-"""User-facing engine options shared by every entry point, turned into a frozen ``EngineConfig``."""
+"""``EngineArgs``: the one declaration of every engine option (name, type, default, help), from which
+``LLM(**kwargs)``, the server's command line and the ``quire`` commands are generated; and its
+translation into a frozen ``EngineConfig``.
+
+A new option is one field here (with ``option(...)``) plus where ``create_engine_config`` passes it on.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import typing
+from collections.abc import Callable
+from typing import Any
 
 from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from quire.core.demo import demo_model_path
 from quire.core.errors import ConfigError
 
-
-@dataclasses.dataclass
-class EngineArgs:
-    """Options as a user gives them (``LLM(...)`` keywords, later server and CLI flags).
-
-    ``model`` is a local checkpoint folder; None means the embedded quire-demo model.
-    """
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    long_prefill_token_threshold: int = 0
-    max_logprobs: int = 20
-    max_num_queued_reqs: int | None = None
-    max_num_queued_tokens: int | None = None
-    max_queue_time: float | None = None  # seconds a request may wait for its first step
-    # The engine core in its own process; QUIRE_MULTIPROCESS_ENGINE=0 makes in-process the default.
-    multiprocess: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("QUIRE_MULTIPROCESS_ENGINE", "1") != "0")
-    seed: int = 0
-    # Threads of the engine's matrix and attention kernels on CPUs (None: one per core, torch's default).
-    num_threads: int | None = None
-    device: str = "auto"  # "auto" (CUDA when available), "cpu", "cuda" or "cuda:N"
-    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights, activations and KV cache
-    enforce_eager: bool = False  # no CUDA graphs
-    attention_backend: str | None = None  # "torch" or "triton"; None picks by device
-    # Streamed outputs every this many tokens (fewer, larger chunks: less front-end work per token).
-    stream_interval: int = 1
-
-    def create_engine_config(self) -> EngineConfig:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
-            raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
-        if self.stream_interval < 1:
-            raise ConfigError(f"stream_interval must be at least 1, got {self.stream_interval}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
-                              f"{self.kv_cache_memory}")
-        if self.max_queue_time is not None and self.max_queue_time <= 0:
-            raise ConfigError(f"max_queue_time must be a positive number of seconds, got {self.max_queue_time}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ConfigError(f"attention_backend must be torch or triton, got {self.attention_backend!r}")
-        model_path = self.model if self.model is not None else str(demo_model_path())
-        model = ModelConfig.from_hf(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                              enable_prefix_caching=self.enable_prefix_caching,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      policy=self.scheduling_policy,
-                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      max_num_queued_reqs=self.max_num_queued_reqs,
-                                      max_num_queued_tokens=self.max_num_queued_tokens,
-                                      max_queue_time=self.max_queue_time),
-            tokenizer=self.tokenizer or model_path,
-            seed=self.seed,
-            max_logprobs=self.max_logprobs,
-            multiprocess=self.multiprocess,
-            num_threads=self.num_threads,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
-            stream_interval=self.stream_interval,
-        )
+_SCHEDULER = SchedulerConfig()
+_CACHE = CacheConfig()
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> Any:
+    """A field of ``EngineArgs`` with what front ends need to offer it: ``help`` (one sentence, no
+    default: front ends add it), ``choices`` for a closed set of strings, ``parse`` to turn command-line
+    text into the value when the field's type is not enough."""
+    metadata = {"help": help, "choices": choices, "parse": parse, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def parse_byte_size(text: str | int) -> int:
@@ -108,3 +39,136 @@ def parse_byte_size(text: str | int) -> int:
     if not number or unit not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4GiB, 512MB or a number of bytes)")
     return int(float(number) * _SIZE_UNITS[unit])
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine options as a user gives them: ``LLM(...)`` keywords, ``quire serve`` / ``python -m
+    quire.openai_server`` flags (``--max-num-seqs``…) and the offline ``quire`` commands' flags."""
+
+    model: str | None = option(None, "A local Hugging Face checkpoint folder (default: the embedded quire-demo).")
+    tokenizer: str | None = option(None, "The tokenizer's folder, when it is not the model's.")
+    dtype: str = option("auto", "auto (the checkpoint's; float16 runs as bfloat16), float32, bfloat16 or "
+                                "float16.", metavar="DTYPE")
+    max_model_len: int | None = option(None, "Context length in tokens (default: what the model supports).")
+    max_num_seqs: int = option(_SCHEDULER.max_num_seqs, "Most requests running in one engine step.")
+    max_num_batched_tokens: int = option(_SCHEDULER.max_num_batched_tokens, "Most tokens computed in one "
+                                                                            "engine step.")
+    kv_cache_memory: int | None = option(
+        None, "Bytes of KV cache, e.g. 2GiB (default on CPUs: what max_num_seqs full sequences need, at most "
+              "4 GiB; on GPUs: what gpu_memory_utilization leaves).", parse=parse_byte_size, metavar="SIZE")
+    block_size: int = option(_CACHE.block_size, "Tokens per KV-cache block.")
+    enable_prefix_caching: bool = option(_CACHE.enable_prefix_caching, "Reuse the KV cache of shared prompt "
+                                                                       "prefixes.")
+    scheduling_policy: str = option(_SCHEDULER.policy, "Order of waiting requests: first come, or by priority "
+                                                       "(lower first).", choices=("fcfs", "priority"))
+    long_prefill_token_threshold: int = option(
+        _SCHEDULER.long_prefill_token_threshold, "Most tokens one prompt computes per step while others run "
+                                                 "(0: no limit).")
+    max_logprobs: int = option(20, "Most logprobs a request may ask for (-1: no limit).")
+    max_num_queued_reqs: int | None = option(None, "Sequences in flight beyond which requests are refused "
+                                                   "(retryable).")
+    max_num_queued_tokens: int | None = option(None, "Prompt tokens in flight beyond which requests are "
+                                                     "refused (retryable).")
+    max_queue_time: float | None = option(None, "Seconds a request may wait for its first step before it "
+                                                "fails (retryable).")
+    seed: int = option(0, "Seed of the engine's random sampling.")
+    num_threads: int | None = option(None, "CPU threads of the engine's kernels (default: one per core); "
+                                           "leaving a core to the HTTP front end can pay for small models.")
+    device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N.")
+    gpu_memory_utilization: float = option(_CACHE.gpu_memory_utilization, "Share of the GPU's memory for "
+                                                                          "weights, activations and the KV "
+                                                                          "cache.")
+    enforce_eager: bool = option(False, "No CUDA graphs for decode steps.")
+    attention_backend: str | None = option(None, "Attention kernels (default: triton on CUDA devices, torch "
+                                                 "elsewhere).", choices=("torch", "triton"))
+    stream_interval: int = option(1, "Streamed outputs carry this many tokens per chunk after the first: "
+                                     "fewer, larger chunks cost the front end less per token.")
+
+    @classmethod
+    def field_types(cls) -> dict[str, Any]:
+        """Each option's value type, without ``None`` (``int | None`` -> ``int``)."""
+        hints = typing.get_type_hints(cls)
+        types = {}
+        for field in dataclasses.fields(cls):
+            args = [a for a in typing.get_args(hints[field.name]) if a is not type(None)]
+            types[field.name] = args[0] if args else hints[field.name]
+        return types
+
+    @classmethod
+    def add_cli_args(cls, parser) -> None:
+        """Add one ``--flag`` per option to an ``argparse`` parser or group (booleans get ``--no-flag``)."""
+        import argparse
+
+        types = cls.field_types()
+        for field in dataclasses.fields(cls):
+            meta, kind = field.metadata, types[field.name]
+            flag = "--" + field.name.replace("_", "-")
+            # a None default is explained by the help itself ("default: one per core")
+            help_text = meta["help"] if field.default is None else f"{meta['help']} (default: {field.default})"
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                                    help=help_text)
+            else:
+                parser.add_argument(flag, type=meta["parse"] or kind, default=field.default,
+                                    choices=meta["choices"], metavar=meta["metavar"], help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, namespace, **overrides: Any) -> EngineArgs:
+        """The options parsed by a parser that ``add_cli_args`` filled (``overrides`` win)."""
+        values = {field.name: getattr(namespace, field.name) for field in dataclasses.fields(cls)}
+        return cls(**{**values, **overrides})
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate()
+        model_path = self.model if self.model is not None else str(demo_model_path())
+        model = ModelConfig.from_hf(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
+        kv_cache_memory = None if self.kv_cache_memory is None else parse_byte_size(self.kv_cache_memory)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      policy=self.scheduling_policy,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      max_num_queued_reqs=self.max_num_queued_reqs,
+                                      max_num_queued_tokens=self.max_num_queued_tokens,
+                                      max_queue_time=self.max_queue_time),
+            tokenizer=self.tokenizer or model_path,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+            num_threads=self.num_threads,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            stream_interval=self.stream_interval,
+        )
+
+    def _validate(self) -> None:
+        for field in dataclasses.fields(self):
+            choices = field.metadata["choices"]
+            value = getattr(self, field.name)
+            if choices and value is not None and value not in choices:
+                raise ConfigError(f"{field.name} must be one of {', '.join(choices)}; got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.kv_cache_memory is not None and parse_byte_size(self.kv_cache_memory) < 1:
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got "
+                              f"{self.kv_cache_memory}")
+        if self.max_queue_time is not None and self.max_queue_time <= 0:
+            raise ConfigError(f"max_queue_time must be a positive number of seconds, got {self.max_queue_time}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

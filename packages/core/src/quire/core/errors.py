@@ -42,5 +42,10 @@ class EngineGenerateError(QuireError):
     """One request failed inside the engine; the engine itself is still healthy (HTTP 500)."""
 
 
+class EngineUtilityError(QuireError):
+    """A utility call to the engine core (prefix-cache reset, statistics, the idle check) failed; the
+    message says why. The same type whether the engine core runs in-process or in its own process."""
+
+
 class ConfigError(QuireError, ValueError):
     """The engine was configured with values it cannot run with (bad checkpoint, too little KV memory)."""

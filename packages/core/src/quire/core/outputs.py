@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from quire.core.wire import SchedulerStats
+
 
 @dataclasses.dataclass
 class Logprob:
@@ -80,3 +82,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    """The latest scheduler statistics and the timings of recently finished requests."""
+
+    scheduler: SchedulerStats | None
+    finished_requests: list[RequestMetrics]

@@ -2,68 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
+import os
 import time
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from tqdm.auto import tqdm
 
-from quire.core.chat import Conversation
-from quire.core.engine.input_processor import PromptType
-from quire.core.engine.llm_engine import EngineMetrics, LLMEngine
+from quire.core.engine.llm_engine import LLMEngine
+from quire.core.engine.protocol import SyncEngineClient
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
-from quire.core.outputs import RequestOutput
+from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.renderer import ChatPrompt, Conversation, PromptType
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
     """A model loaded for batch generation; with no ``model``, the embedded quire-demo model.
 
-    The engine core runs in its own process (``multiprocess=False`` keeps it in this one).
+    Every engine option is a keyword (``quire.core.EngineArgs`` lists them: ``dtype``, ``max_model_len``,
+    ``max_num_seqs``, ``kv_cache_memory``, ``stream_interval``…). The engine core runs in its own process;
+    ``multiprocess=False`` keeps it in this one (default: ``QUIRE_MULTIPROCESS_ENGINE``, else True).
 
     >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
     >>> outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        long_prefill_token_threshold: int = 0,
-        max_logprobs: int = 20,
-        seed: int = 0,
-        num_threads: int | None = None,
-        device: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        attention_backend: str | None = None,
-        multiprocess: bool | None = None,
-    ):
-        args = EngineArgs(
-            model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-            long_prefill_token_threshold=long_prefill_token_threshold, max_logprobs=max_logprobs,
-            seed=seed, num_threads=num_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, attention_backend=attention_backend,
-        )
-        if multiprocess is not None:
-            args.multiprocess = multiprocess
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str | os.PathLike | None = None, *, multiprocess: bool | None = None,
+                 **engine_options: Any):
+        args = engine_args(model, engine_options)
+        self.llm_engine: SyncEngineClient = LLMEngine.from_engine_args(args, multiprocess=multiprocess)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -90,7 +64,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or a prompt dict); outputs in input order.
+        """Generate for every prompt (text, token ids, a prompt dict or a ``ChatPrompt``); outputs in input
+        order.
 
         ``priority`` (one per prompt; lower runs first) matters with ``scheduling_policy="priority"``.
         """
@@ -107,15 +82,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate a reply to one conversation (a list of messages) or to each of several."""
+        """Generate a reply to one conversation (a list of messages) or to each of several.
+
+        ``add_generation_prompt`` (default: unless ``continue_final_message``) opens an assistant turn;
+        ``continue_final_message`` lets the model continue the last (assistant) message instead.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.llm_engine.render_chat(conversation, chat_template, add_generation_prompt)
-            for conversation in conversations
-        ]
+        prompts = [ChatPrompt(conversation, chat_template, add_generation_prompt, continue_final_message,
+                              chat_template_kwargs) for conversation in conversations]
         return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
 
     def _params_list(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
@@ -170,7 +149,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, ChatPrompt)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompts
@@ -180,3 +159,28 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         raise ValidationError("prompts must be a prompt (text, token ids or a prompt dict) or a list "
                               "of prompts", param="prompts")
     return list(prompts)
+
+
+def engine_args(model: str | os.PathLike | None, options: dict[str, Any]) -> EngineArgs:
+    """``EngineArgs`` from ``LLM``'s keywords; an unknown keyword is a ``TypeError`` naming it."""
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword arguments {unknown}; engine options are: "
+                        f"{', '.join(sorted(known - {'model'}))}")
+    return EngineArgs(model=None if model is None else str(model), **options)
+
+
+def _signature() -> inspect.Signature:
+    """``LLM(model=None, *, multiprocess=None, <every EngineArgs option>)``, for help() and editors."""
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                  inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+                  inspect.Parameter("multiprocess", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    hints = typing.get_type_hints(EngineArgs)
+    parameters += [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                     annotation=hints[field.name])
+                   for field in dataclasses.fields(EngineArgs) if field.name != "model"]
+    return inspect.Signature(parameters)
+
+
+LLM.__init__.__signature__ = _signature()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from quire.core.errors import ValidationError
-from quire.openai_server.chat import create_chat_completion, render_messages
+from quire.core.engine.protocol import EngineClient
+from quire.core.errors import EngineUtilityError, ValidationError
+from quire.core.renderer import is_long
+from quire.openai_server.chat import chat_prompt, create_chat_completion
 from quire.openai_server.completions import create_completion
 from quire.openai_server.errors import APIError, install_error_handlers
 from quire.openai_server.metrics import CONTENT_TYPE, ServerMetrics
@@ -34,8 +38,8 @@ GENERATION = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type
 _DISCONNECTED = 499  # the client went away before the answer; nobody reads this status
 
 
-def build_app(engine, settings: ServerSettings) -> FastAPI:
-    """The server for one engine client (an ``AsyncLLM``); all state lives on ``app.state.server``.
+def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
+    """The server for one engine client (any ``EngineClient``); all state lives on ``app.state.server``.
 
     ``engine`` may be None while the model loads (the server answers 503, ``/live`` 200); ``attach_engine``
     brings the app up once it is ready."""
@@ -56,9 +60,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def attach_engine(state: ServerState, engine) -> None:
-    if hasattr(engine, "stat_loggers"):
-        engine.stat_loggers.append(state.metrics)
+def attach_engine(state: ServerState, engine: EngineClient) -> None:
+    engine.add_stat_logger(state.metrics)
     state.engine = engine
 
 
@@ -120,27 +123,24 @@ def _add_service_routes(router: FastAPI) -> None:
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest, state: ServerState = Depends(get_state)):
         state.check_model(body.model)
-        tokenizer = state.engine.get_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = render_messages(state, body.messages, body.add_generation_prompt,
-                                     body.continue_final_message, body.chat_template_kwargs)
+            prompt = chat_prompt(state, body)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=add_special)
-        strings = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+            prompt = {"prompt": body.prompt, "add_special_tokens": add_special}
+        renderer = state.engine.renderer
+        rendered = await asyncio.to_thread(renderer.render, prompt) if is_long(prompt) else renderer.render(prompt)
+        tokens = rendered.token_ids
+        strings = state.engine.get_tokenizer().convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens,
                                 token_strs=strings)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(get_state)):
         state.check_model(body.model)
-        vocab = state.engine.model_config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValidationError(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="tokens")
-        return DetokenizeResponse(prompt=state.engine.get_tokenizer().decode(body.tokens))
+        return DetokenizeResponse(prompt=state.engine.renderer.detokenize(body.tokens))
 
     @router.get("/tokenizer_info")
     async def tokenizer_info(state: ServerState = Depends(get_state)):
@@ -156,29 +156,23 @@ def _add_debug_routes(router: FastAPI) -> None:
     @router.get("/debug/state")
     async def debug_state(state: ServerState = Depends(get_state)):
         """What the engine and the front end are holding right now (API-key protected)."""
-        stats = await state.engine.engine_core.call_utility_async("get_stats")
-        return {"engine": stats, "front_end": {"tracked_requests": state.engine.output_processor.num_unfinished_requests,
-                                               "open_collectors": len(state.engine.collectors),
-                                               "http_requests_in_flight": state.num_in_flight}}
+        debug = await state.engine.get_debug_state()
+        debug["front_end"]["http_requests_in_flight"] = state.num_in_flight
+        return debug
 
     @router.get("/debug/step_timings")
     async def step_timings(reset: bool = False, state: ServerState = Depends(get_state)):
         """Seconds the engine spent in each phase of its steps (schedule, prepare_inputs, forward,
         sampling, update) and the number of steps, since start-up or the last ``?reset=true``."""
-        return await state.engine.engine_core.call_utility_async("get_step_timings", reset)
+        return await state.engine.get_step_timings(reset)
 
     @router.post("/debug/check_idle")
     async def check_idle(state: ServerState = Depends(get_state)):
         """200 if nothing is left behind (blocks, requests, runner rows, front-end state); 409 if it is."""
-        problems = []
         try:
             await state.engine.check_idle_invariants()
-        except RuntimeError as error:
-            problems.append(str(error))
-        if state.engine.output_processor.num_unfinished_requests or state.engine.collectors:
-            problems.append("the front end still tracks requests")
-        if problems:
-            raise APIError(409, "; ".join(problems), code="not_idle")
+        except EngineUtilityError as error:
+            raise APIError(409, str(error), code="not_idle") from None
         return {"idle": True}
 
 

@@ -9,12 +9,14 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from quire.core.errors import ValidationError
+from quire.core.renderer import ChatPrompt
 from quire.openai_server.errors import stream_error_event
 from quire.openai_server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    TokenizeRequest,
 )
 from quire.openai_server.serving import (
     SSE_DONE,
@@ -23,7 +25,6 @@ from quire.openai_server.serving import (
     chat_logprobs,
     prompt_logprobs,
     request_id,
-    resolve_max_tokens,
     sse,
     sse_json,
     until_disconnect,
@@ -36,26 +37,16 @@ MAX_TOP_LOGPROBS = 20
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     _check_unsupported(body)
-    engine = state.engine
-    token_ids = render_messages(state, body.messages, body.add_generation_prompt,
-                                body.continue_final_message, body.chat_template_kwargs)
-    if body.truncate_prompt_tokens is not None:
-        keep = engine.max_model_len - 1 if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
-        token_ids = token_ids[-keep:]
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None
-                                    else body.max_tokens, len(token_ids), engine.max_model_len, param)
-    num_logprobs = None
-    if body.logprobs:
-        num_logprobs = body.top_logprobs or 0
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(state, body, max_tokens=max_tokens, logprobs=num_logprobs,
                                    prompt_logprobs=body.prompt_logprobs, stream=body.stream)
     rid = request_id("chatcmpl", request, body.request_id)
-    collector = await engine.add_request(rid, token_ids, params, priority=body.priority,
-                                         cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
-    stream = engine.stream(rid, collector)
+    stream = await state.engine.add_request(rid, chat_prompt(state, body), params, priority=body.priority,
+                                            cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
+    num_prompt_tokens = len(stream.prompt_token_ids)
     if body.stream:
-        return StreamingResponse(_stream(state, body, rid, stream, len(token_ids)), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, body, rid, stream, num_prompt_tokens), media_type="text/event-stream")
     output = await until_disconnect(request, _final(stream))
     if output is None:
         return None
@@ -65,22 +56,20 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         logprobs=chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0) if body.logprobs else None,
     ) for c in sorted(output.outputs, key=lambda c: c.index)]
     return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices,
-                                  usage=usage([len(token_ids)], [output]),
+                                  usage=usage([num_prompt_tokens], [output]),
                                   prompt_logprobs=prompt_logprobs(output.prompt_logprobs))
 
 
-def render_messages(state: ServerState, messages, add_generation_prompt: bool, continue_final_message: bool,
-                    chat_template_kwargs: dict | None) -> list[int]:
-    dumped = [m.model_dump(exclude_none=True) for m in messages]
-    if continue_final_message and add_generation_prompt:
-        add_generation_prompt = False  # continuing a message implies no new assistant turn
-    return state.engine.render_chat(dumped, state.settings.chat_template, add_generation_prompt,
-                                    continue_final_message, chat_template_kwargs)
+def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> ChatPrompt:
+    """The request's messages for the engine's renderer, with the server's chat template (if any)."""
+    return ChatPrompt([m.model_dump(exclude_none=True) for m in body.messages], state.settings.chat_template,
+                      body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if not body.messages:
-        raise ValidationError("messages must not be empty", param="messages")
+    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+        raise ValidationError(f"max_completion_tokens must be at least 1, got {body.max_completion_tokens}",
+                              param="max_completion_tokens")
     if body.tools:
         raise ValidationError("tools are not supported by this server", param="tools", code="unsupported_value")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -95,10 +84,10 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 
 
 async def _final(stream):
-    output = None
+    final = None
     async for output in stream:
-        pass
-    return output
+        final = output
+    return final
 
 
 async def _stream(state, body, rid, stream, num_prompt_tokens):

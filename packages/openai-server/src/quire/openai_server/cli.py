@@ -34,34 +34,7 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     server.add_argument("--enable-debug-routes", action="store_true",
                         help="serve /debug/state and /debug/check_idle (API-key protected when keys are set)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", help="a local Hugging Face checkpoint folder (default: quire-demo)")
-    engine.add_argument("--tokenizer")
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--kv-cache-memory", type=parse_byte_size, help="KV cache bytes (e.g. 2GiB)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
-    engine.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    engine.add_argument("--max-num-queued-reqs", type=int)
-    engine.add_argument("--max-num-queued-tokens", type=int)
-    engine.add_argument("--max-queue-time", type=float,
-                        help="seconds a request may wait for the engine before it fails with 503 (retryable)")
-    engine.add_argument("--max-logprobs", type=int, default=20)
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--num-threads", type=int,
-                        help="CPU threads of the engine's kernels (default: one per core); leaving a core to the "
-                             "HTTP front end can pay for small models")
-    engine.add_argument("--stream-interval", type=int, default=1,
-                        help="streamed responses carry this many tokens per chunk (after the first): fewer, "
-                             "larger chunks cost the server less per token; 1 sends every token")
-    engine.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of the GPU's memory for weights, activations and the KV cache")
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 
 
@@ -69,18 +42,7 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
     from quire.core.demo import DEMO_MODEL_NAME
 
     model = args.model or args.model_tag
-    engine_args = EngineArgs(
-        model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, max_logprobs=args.max_logprobs,
-        max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-        max_queue_time=args.max_queue_time,
-        seed=args.seed, num_threads=args.num_threads, multiprocess=True, device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        stream_interval=args.stream_interval,
-    )
+    engine_args = EngineArgs.from_cli_args(args, model=model)
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(
         served_model_names=args.served_model_name or [model or DEMO_MODEL_NAME],

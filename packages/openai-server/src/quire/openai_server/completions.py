@@ -8,8 +8,10 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from quire.core.engine.protocol import EngineClient, OutputStream
 from quire.core.errors import ValidationError
 from quire.core.outputs import RequestOutput
+from quire.core.renderer import PromptType
 from quire.openai_server.errors import stream_error_event
 from quire.openai_server.protocol import (
     CompletionChoice,
@@ -24,14 +26,11 @@ from quire.openai_server.serving import (
     merge_streams,
     prompt_logprobs,
     request_id,
-    resolve_max_tokens,
     sse,
     sse_json,
     until_disconnect,
     usage,
 )
-
-LONG_PROMPT_CHARS = 4096
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request):
@@ -45,26 +44,23 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         raise ValidationError("echo with logprobs is not available when streaming", param="echo",
                               code="unsupported_value")
     engine = state.engine
-    prompts = await _prompts(engine, body)
     base_id = request_id("cmpl", request, body.request_id)
-    streams, prompt_texts = [], []
+    params = build_sampling_params(
+        state, body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs,
+        stream=body.stream)
+    streams = []
     try:
-        for index, (text, token_ids) in enumerate(prompts):
-            max_tokens = resolve_max_tokens(body.max_tokens, len(token_ids), engine.max_model_len)
-            params = build_sampling_params(
-                state, body, max_tokens=max_tokens, logprobs=body.logprobs,
-                prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs,
-                stream=body.stream)
-            sub_id = f"{base_id}-{index}"
-            collector = await engine.add_request(sub_id, token_ids, params, priority=body.priority,
-                                                 cache_salt=body.cache_salt,
-                                                 timeout=state.settings.request_timeout)
-            streams.append(engine.stream(sub_id, collector))
-            prompt_texts.append(text)
+        for index, prompt in enumerate(_prompts(body)):
+            streams.append(await engine.add_request(f"{base_id}-{index}", prompt, params, priority=body.priority,
+                                                    cache_salt=body.cache_salt,
+                                                    timeout=state.settings.request_timeout))
     except BaseException:
-        await engine.abort([f"{base_id}-{i}" for i in range(len(streams))])
+        for stream in streams:
+            await stream.aclose()
         raise
-    counts = [len(ids) for _, ids in prompts]
+    prompt_texts = [_prompt_text(engine, stream) for stream in streams] if body.echo else [""] * len(streams)
+    counts = [len(stream.prompt_token_ids) for stream in streams]
     if body.stream:
         return StreamingResponse(_stream(state, body, base_id, streams, prompt_texts, counts),
                                  media_type="text/event-stream")
@@ -74,39 +70,22 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     return _response(state, body, base_id, outputs, prompt_texts, counts)
 
 
-async def _prompts(engine, body: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """``(text, token ids)`` per prompt; text prompts are tokenized here (long ones off the event loop)."""
+def _prompts(body: CompletionRequest) -> list[PromptType]:
+    """The request's prompts in the engine's prompt forms (rendering and checks happen there)."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
         items = [prompt]
     else:
         items = list(prompt)
     if not items:
         raise ValidationError("prompt must not be empty", param="prompt")
-    tokenizer = engine.get_tokenizer()
-    result = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise ValidationError("prompt must not be empty", param="prompt")
-            encode = lambda text=item: tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-            ids = await asyncio.to_thread(encode) if len(item) > LONG_PROMPT_CHARS else encode()
-            result.append((item, ids))
-        else:
-            if not item:
-                raise ValidationError("prompt must not be empty", param="prompt")
-            vocab = engine.model_config.vocab_size
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValidationError(f"token id {bad} is out of vocabulary (0..{vocab - 1})", param="prompt")
-            result.append((tokenizer.decode(item), list(item)))
-    keep = body.truncate_prompt_tokens
-    if keep is not None:
-        keep = engine.max_model_len - 1 if keep == -1 else keep
-        result = [(text, ids[-keep:] if keep > 0 else ids) for text, ids in result]
-    return result
+    return [{"prompt": item, "add_special_tokens": body.add_special_tokens} if isinstance(item, str) else item
+            for item in items]
+
+
+def _prompt_text(engine: EngineClient, stream: OutputStream) -> str:
+    """What ``echo`` repeats: the prompt's text, or its token ids decoded."""
+    return stream.prompt if stream.prompt is not None else engine.renderer.detokenize(stream.prompt_token_ids)
 
 
 async def _collect(streams) -> list[RequestOutput]:
@@ -130,7 +109,7 @@ def _response(state, body, base_id, outputs, prompt_texts, counts) -> Completion
                 if body.echo:
                     ids = list(output.prompt_token_ids) + ids
                     positions = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + positions
-                logprobs = legacy_logprobs(ids, positions, state.engine.get_tokenizer())
+                logprobs = legacy_logprobs(ids, positions, state.engine.renderer)
             choices.append(CompletionChoice(
                 index=prompt_index * body.n + completion.index,
                 text=_choice_text(body, prompt_texts[prompt_index], completion.text, True),
@@ -168,7 +147,7 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
                 encode = sse
                 if body.logprobs is not None and completion.logprobs is not None:
                     choice["logprobs"] = legacy_logprobs(completion.token_ids, completion.logprobs,
-                                                         state.engine.get_tokenizer()).model_dump()
+                                                         state.engine.renderer).model_dump()
                     encode = sse_json
                 chunk = {"id": base_id, "object": "text_completion", "created": created,
                          "model": state.model_name, "choices": [choice]}

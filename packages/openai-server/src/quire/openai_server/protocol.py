@@ -8,7 +8,7 @@ as OpenAI's own server does.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,7 +57,7 @@ class _SamplingFields(_Request):
     request_id: str | None = None
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,7 +86,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    # None: open an assistant turn unless continue_final_message (both true is a 400)
+    add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
@@ -97,7 +98,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import uvicorn
 
 from quire.core.engine.core_proc import freeze_gc_heap
+from quire.core.engine.protocol import EngineClient
 from quire.core.engine_args import EngineArgs
 from quire.openai_server.app import attach_engine, build_app
 from quire.openai_server.settings import ServerSettings
@@ -66,7 +68,7 @@ class QuireServer(uvicorn.Server):
         deadline = time.monotonic() + state.settings.shutdown_timeout
         while state.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        leftover = list(engine.collectors)
+        leftover = engine.unfinished_request_ids
         if leftover:
             logger.info("aborting %d requests still in flight", len(leftover))
             await engine.abort(leftover)
@@ -85,7 +87,8 @@ class QuireServer(uvicorn.Server):
             await asyncio.sleep(WATCHDOG_SECONDS)
 
 
-async def serve(engine, settings: ServerSettings, load=None) -> int:
+async def serve(engine: EngineClient | None, settings: ServerSettings,
+                load: Callable[[], EngineClient] | None = None) -> int:
     """Serve until SIGTERM/SIGINT or engine death; return the process exit status.
 
     With ``load`` (a blocking callable that returns the engine) and no ``engine``, the port opens first

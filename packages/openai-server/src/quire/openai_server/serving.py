@@ -10,15 +10,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
 
 import msgspec
 from fastapi import Request
 
+from quire.core.engine.protocol import EngineClient
 from quire.core.errors import ValidationError
 from quire.core.outputs import PositionLogprobs, RequestOutput
+from quire.core.renderer import Renderer
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 from quire.openai_server.errors import APIError
+from quire.openai_server.metrics import ServerMetrics
 from quire.openai_server.protocol import (
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -39,9 +41,9 @@ MAX_N = 128
 class ServerState:
     """Everything the routes share, held on ``app.state.server`` (no module globals)."""
 
-    engine: Any  # an AsyncLLM (the EngineClient with generate/abort)
+    engine: EngineClient | None  # None while the model loads (the middleware answers 503 until then)
     settings: ServerSettings
-    metrics: Any = None
+    metrics: ServerMetrics
     draining: bool = False
     num_in_flight: int = 0
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -69,9 +71,10 @@ def request_id(prefix: str, request: Request, body_request_id: str | None) -> st
     return f"{prefix}-{base}"
 
 
-def build_sampling_params(state: ServerState, body, *, max_tokens: int, logprobs: int | None,
+def build_sampling_params(state: ServerState, body, *, max_tokens: int | None, logprobs: int | None,
                           prompt_logprobs: int | None, stream: bool) -> SamplingParams:
-    """The request's sampling fields, with unset ones taken from the model's generation config."""
+    """The request's sampling fields, with unset ones taken from the model's generation config
+    (``max_tokens=None``: the rest of the context, resolved by the engine's input processor)."""
     defaults = state.engine.model_config.sampling_defaults
     temperature = body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
     if temperature is not None and temperature > MAX_OPENAI_TEMPERATURE:
@@ -122,26 +125,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise ValidationError("logit_bias keys must be token ids", param="logit_bias") from None
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       param: str = "max_tokens") -> int:
-    """The request's token budget: what it asked for, or the rest of the context when unset."""
-    if num_prompt_tokens >= max_model_len:
-        raise ValidationError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.",
-            param="messages" if param == "max_completion_tokens" else "prompt", code="context_length_exceeded")
-    if requested is None:
-        return max_model_len - num_prompt_tokens
-    if requested < 1:
-        raise ValidationError(f"{param} must be at least 1, got {requested}", param=param)
-    if num_prompt_tokens + requested > max_model_len:
-        raise ValidationError(
-            f"'{param}' is too large: {requested}. This model's maximum context length is {max_model_len} "
-            f"tokens and your request has {num_prompt_tokens} input tokens ({requested} > {max_model_len} - "
-            f"{num_prompt_tokens}).", param=param, code="context_length_exceeded")
-    return requested
-
-
 def usage(prompt_token_counts: list[int], outputs: list[RequestOutput]) -> Usage:
     prompt_tokens = sum(prompt_token_counts)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -157,13 +140,13 @@ def _top(position: PositionLogprobs, k: int):
     return sorted(position.items(), key=lambda item: item[1].rank or 0)[:k]
 
 
-def legacy_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], tokenizer,
+def legacy_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], renderer: Renderer,
                     text_offset: int = 0) -> CompletionLogprobs:
     """Completions' shape; a None position (the first prompt token) gets null logprobs."""
     result = CompletionLogprobs()
     for token_id, position in zip(token_ids, positions):
         if position is None:
-            result.tokens.append(tokenizer.decode([token_id]))
+            result.tokens.append(renderer.detokenize([token_id]))
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:

@@ -1,8 +1,9 @@
-"""``AsyncLLM``: the asyncio engine client the server uses.
+"""``AsyncLLM``: the asyncio engine client the server uses; it implements ``EngineClient``.
 
-``generate()`` is an async iterator of ``RequestOutput``s. A background output-handler task reads the
-engine core's outputs, runs them through the ``OutputProcessor`` and hands each request's outputs to its
-``RequestOutputCollector``. Cancelling the consumer (a client disconnect) aborts the request in the engine.
+``add_request`` renders, validates and admits a request, then returns its ``RequestStream``. A background
+output-handler task reads the engine core's outputs, runs them through the ``OutputProcessor`` and hands
+each request's outputs to its ``RequestOutputCollector``, which the stream reads. Cancelling or closing a
+stream before its end (a client disconnect) aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -11,54 +12,49 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
-from quire.core.chat import Conversation, render_chat
 from quire.core.config import EngineConfig
-from quire.core.engine.input_processor import InputProcessor, PromptType
-from quire.core.engine.llm_engine import EngineMetrics, fan_out
+from quire.core.engine.front_end import FrontEnd
 from quire.core.engine.output_collector import RequestOutputCollector
-from quire.core.engine.output_processor import OutputProcessor
+from quire.core.engine.protocol import StatLogger
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import (
     EngineDeadError,
     EngineGenerateError,
+    EngineUtilityError,
     OverloadedError,
     QueueTimeoutError,
     RequestTimeoutError,
     ValidationError,
 )
-from quire.core.outputs import RequestOutput
+from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.renderer import PromptType, is_long
 from quire.core.sampling_params import SamplingParams
-from quire.core.tokenizer import load_tokenizer
 from quire.core.wire import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-# Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
-LONG_PROMPT_CHARS = 4096
 _OUTPUT_CHUNK = 256
 
 
 class AsyncLLM:
     """The engine core in its own process, driven from an asyncio event loop."""
 
-    def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list | None = None):
+    def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list[StatLogger] | None = None):
         self.config = config
         self.model_config = config.model
-        self.tokenizer = load_tokenizer(config.tokenizer)
         if engine_core is None:
             from quire.core.engine.mp_client import AsyncMPClient
 
             engine_core = AsyncMPClient(config)
         self.engine_core = engine_core
         self.max_model_len = engine_core.max_model_len
-        self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
-                                              config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        self.front_end = FrontEnd(config, self.max_model_len)
+        self.renderer = self.front_end.renderer
+        self.output_processor = self.front_end.output_processor
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats: SchedulerStats | None = None
-        # Objects with record(scheduler_stats, finished: list[RequestMetrics]), called once per step.
-        self.stat_loggers = list(stat_loggers or [])
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self._dead_error: EngineDeadError | None = None
         self._background: set[asyncio.Task] = set()
@@ -105,36 +101,27 @@ class AsyncLLM:
     # -- requests ------------------------------------------------------------------------------
 
     def get_tokenizer(self):
-        return self.tokenizer
-
-    def render_chat(self, messages: Conversation, chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt,
-                           continue_final_message, chat_template_kwargs)
+        return self.renderer.tokenizer
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                          arrival_time: float | None = None, priority: int = 0,
-                          cache_salt: str | None = None, timeout: float | None = None) -> RequestOutputCollector:
-        """Validate, admit and send a request; return the collector its outputs will arrive in. With a
-        ``timeout`` (seconds), ``stream`` aborts the request and raises ``RequestTimeoutError`` once it
-        has run that long."""
+                          arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                          timeout: float | None = None) -> RequestStream:
+        """Render, validate, admit and send a request; return the stream its outputs will arrive in.
+        With a ``timeout`` (seconds), the stream aborts the request and raises ``RequestTimeoutError``
+        once it has run that long."""
         self.check_health()
         self._start_output_handler()
-        if self.output_processor.is_in_flight(request_id):
-            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
-        process = (self.input_processor.process, request_id, prompt, params, arrival_time, priority,
-                   cache_salt)
-        if isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS:
+        if timeout is not None and timeout <= 0:
+            raise ValidationError(f"timeout must be positive, got {timeout}", param="timeout")
+        process = (self.front_end.process, request_id, prompt, params, arrival_time, priority, cache_salt)
+        if is_long(prompt):  # rendering and tokenizing long inputs would stall every other stream
             request, prompt_text = await asyncio.to_thread(*process)
         else:
             request, prompt_text = process[0](*process[1:])
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
-        if timeout is not None and timeout <= 0:
-            raise ValidationError(f"timeout must be positive, got {timeout}", param="timeout")
         deadline = None if timeout is None else time.monotonic() + timeout
         collector = RequestOutputCollector(params.output_kind, deadline)
-        engine_requests = fan_out(self.output_processor, request, prompt_text)
+        engine_requests = self.front_end.register(request, prompt_text)
         self.collectors[request_id] = collector
         try:
             for engine_request in engine_requests:
@@ -142,7 +129,7 @@ class AsyncLLM:
         except BaseException:
             self._abort_now([request_id])
             raise
-        return collector
+        return RequestStream(self, request_id, collector, request.prompt_token_ids, prompt_text)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None,
@@ -151,39 +138,17 @@ class AsyncLLM:
         ``OverloadedError`` when at capacity (``QueueTimeoutError`` when it waited past
         ``max_queue_time``), ``RequestTimeoutError`` past ``timeout`` seconds, ``EngineGenerateError`` if
         the engine failed the request and ``EngineDeadError`` if the engine died."""
-        collector = await self.add_request(request_id, prompt, params, priority=priority,
-                                           cache_salt=cache_salt, timeout=timeout)
-        async for output in self.stream(request_id, collector):
-            yield output
-
-    async def stream(self, request_id: str, collector: RequestOutputCollector) -> AsyncIterator[RequestOutput]:
-        """Yield the outputs of a request added with ``add_request`` until it finishes; closing or
-        cancelling the iteration aborts the request."""
-        finished = False
+        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                        timeout=timeout)
         try:
-            while not finished:
-                output = collector.get_nowait()
-                if output is None:
-                    output = await (collector.get() if collector.deadline is None
-                                    else self._next_output(request_id, collector))
-                finished = output.finished
-                reasons = {c.finish_reason for c in output.outputs} if finished else set()
-                if "error" in reasons:
-                    raise EngineGenerateError(f"the engine failed request {request_id!r}")
-                if "queue_timeout" in reasons:
-                    raise QueueTimeoutError(f"request {request_id!r} waited longer than max_queue_time for the "
-                                            "engine; retry later")
+            async for output in stream:
                 yield output
-        except (asyncio.CancelledError, GeneratorExit):
-            self._abort_now([request_id])
-            raise
         finally:
-            if finished:
-                self.collectors.pop(request_id, None)
+            await stream.aclose()
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests by id (unknown or finished ids are ignored); frees their KV blocks. A consumer
-        of ``generate`` receives a final output whose finish reason is "abort"."""
+        of the request's stream receives a final output whose finish reason is "abort"."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         engine_ids, final_outputs = self.output_processor.abort_requests(ids)
         for output in final_outputs:
@@ -194,12 +159,9 @@ class AsyncLLM:
         if engine_ids and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(engine_ids)
 
-    async def _next_output(self, request_id: str, collector: RequestOutputCollector) -> RequestOutput:
-        try:
-            return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
-        except TimeoutError:
-            self._abort_now([request_id])
-            raise RequestTimeoutError(f"request {request_id!r} ran past its time limit and was aborted") from None
+    @property
+    def unfinished_request_ids(self) -> list[str]:
+        return self.output_processor.unfinished_request_ids
 
     def _abort_now(self, request_ids: list[str]) -> None:
         """Abort without awaiting (for a consumer that is gone): the message is sent by a task."""
@@ -242,6 +204,9 @@ class AsyncLLM:
                 collector.put(self._dead_error)
             self.collectors.clear()
 
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.stat_loggers.append(stat_logger)
+
     def _record_stats(self) -> None:
         finished = self.output_processor.take_newly_finished()
         for stat_logger in self.stat_loggers:
@@ -264,9 +229,25 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
-    async def check_idle_invariants(self) -> bool:
-        """Raise (RuntimeError with the engine's findings) unless nothing is left in the engine."""
-        return await self.engine_core.call_utility_async("check_idle_invariants")
+    async def get_debug_state(self) -> dict[str, Any]:
+        return {"engine": await self.engine_core.call_utility_async("get_stats"),
+                "front_end": {"tracked_requests": self.output_processor.num_unfinished_requests,
+                              "open_collectors": len(self.collectors)}}
+
+    async def get_step_timings(self, reset: bool = False) -> dict[str, Any]:
+        return await self.engine_core.call_utility_async("get_step_timings", reset)
+
+    async def check_idle_invariants(self) -> None:
+        """Raise ``EngineUtilityError`` (with what is left behind) unless nothing is in flight anywhere."""
+        problems = []
+        try:
+            await self.engine_core.call_utility_async("check_idle_invariants")
+        except EngineUtilityError as error:
+            problems.append(str(error))
+        if self.output_processor.num_unfinished_requests or self.collectors:
+            problems.append("the front end still tracks requests")
+        if problems:
+            raise EngineUtilityError("; ".join(problems))
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.scheduler_stats, list(self.output_processor.finished_metrics))
@@ -276,3 +257,61 @@ class AsyncLLM:
             if task is not None and not task.done():
                 task.cancel()
         self.engine_core.shutdown()
+
+
+class RequestStream:
+    """The outputs of one request added with ``AsyncLLM.add_request``, as an async iterator that ends after
+    the final output. Cancelling a wait on it, or ``aclose()`` before the end, aborts the request."""
+
+    __slots__ = ("_engine", "request_id", "_collector", "_finished", "prompt_token_ids", "prompt")
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector,
+                 prompt_token_ids: list[int], prompt: str | None):
+        self._engine = engine
+        self.request_id = request_id
+        self._collector = collector
+        self._finished = False
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt = prompt
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        collector = self._collector
+        output = collector.get_nowait()
+        if output is None:
+            try:
+                output = await (collector.get() if collector.deadline is None else self._next_with_deadline())
+            except asyncio.CancelledError:
+                self._abandon()
+                raise
+        if output.finished:
+            self._finished = True
+            self._engine.collectors.pop(self.request_id, None)
+            reasons = {c.finish_reason for c in output.outputs}
+            if "error" in reasons:
+                raise EngineGenerateError(f"the engine failed request {self.request_id!r}")
+            if "queue_timeout" in reasons:
+                raise QueueTimeoutError(f"request {self.request_id!r} waited longer than max_queue_time for the "
+                                        "engine; retry later")
+        return output
+
+    async def _next_with_deadline(self) -> RequestOutput:
+        collector = self._collector
+        try:
+            return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
+        except TimeoutError:
+            self._abandon()
+            raise RequestTimeoutError(f"request {self.request_id!r} ran past its time limit and was aborted") from None
+
+    def _abandon(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._abort_now([self.request_id])
+
+    async def aclose(self) -> None:
+        """Stop reading; a request that has not finished is aborted."""
+        self._abandon()

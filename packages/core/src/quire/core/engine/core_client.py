@@ -5,7 +5,22 @@ from __future__ import annotations
 import abc
 
 from quire.core.config import EngineConfig
+from quire.core.errors import EngineUtilityError
 from quire.core.wire import EngineCoreOutputs, EngineCoreRequest
+
+# The engine core's methods a front end may call by name (nothing arbitrary crosses the boundary).
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_idle_invariants", "get_step_timings"})
+
+
+def run_utility(engine_core, method: str, args) -> object:
+    """Call a utility method on an in-process ``EngineCore``; any failure is an ``EngineUtilityError``
+    (the same type the multiprocess clients raise from the engine's answer)."""
+    if method not in UTILITY_METHODS:
+        raise EngineUtilityError(f"unknown utility method {method!r}")
+    try:
+        return getattr(engine_core, method)(*args)
+    except Exception as error:  # noqa: BLE001 - reported to the caller with its cause
+        raise EngineUtilityError(f"{method} failed: {type(error).__name__}: {error}") from error
 
 
 class EngineCoreClient(abc.ABC):
@@ -30,8 +45,8 @@ class EngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def call_utility(self, method: str, *args):
-        """Call one of the engine core's utility methods (reset_prefix_cache, get_stats,
-        check_idle_invariants) and return its result."""
+        """Call one of the engine core's ``UTILITY_METHODS`` and return its result; raises
+        ``EngineUtilityError`` if it fails."""
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
@@ -57,11 +72,7 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.step()
 
     def call_utility(self, method: str, *args):
-        from quire.core.engine.core_proc import UTILITY_METHODS
-
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}")
-        return getattr(self.engine_core, method)(*args)
+        return run_utility(self.engine_core, method, args)
 
     def shutdown(self) -> None:
         pass

@@ -23,6 +23,8 @@ import msgspec
 import zmq
 
 from quire.core.config import EngineConfig
+from quire.core.engine.core_client import run_utility
+from quire.core.errors import EngineUtilityError
 from quire.core.request import FinishReason
 from quire.core.wire import (
     ENGINE_DEAD_SENTINEL,
@@ -38,7 +40,6 @@ from quire.core.wire import (
 
 logger = logging.getLogger(__name__)
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "check_idle_invariants", "get_step_timings"})
 _SHUTDOWN = object()  # wakes the busy loop to stop
 _PARENT_POLL_SECONDS = 0.5
 
@@ -169,13 +170,10 @@ class EngineCoreProc:
             self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(payload)))
 
     def _call_utility(self, call: UtilityCall) -> UtilityOutput:
-        if call.method not in UTILITY_METHODS:
-            return UtilityOutput(call.call_id, failure_message=f"unknown utility method {call.method!r}")
         try:
-            return UtilityOutput(call.call_id, result=getattr(self.engine_core, call.method)(*call.args))
-        except Exception as error:  # noqa: BLE001 - reported to the caller
-            return UtilityOutput(call.call_id,
-                                 failure_message=f"{call.method} failed: {type(error).__name__}: {error}")
+            return UtilityOutput(call.call_id, result=run_utility(self.engine_core, call.method, call.args))
+        except EngineUtilityError as error:
+            return UtilityOutput(call.call_id, failure_message=str(error))
 
     def _input_loop(self, context: zmq.Context, address: str) -> None:
         decoders = {

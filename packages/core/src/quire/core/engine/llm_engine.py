@@ -1,79 +1,50 @@
-"""``LLMEngine``: the synchronous engine client (add requests, call ``step`` until done)."""
+"""``LLMEngine``: the synchronous engine client (add requests, call ``step`` until done); it implements
+``SyncEngineClient``, the seam the offline ``LLM`` uses."""
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import time
 from collections.abc import Iterable
+from typing import Any
 
-import msgspec
-
-from quire.core.chat import Conversation, render_chat
 from quire.core.config import EngineConfig
 from quire.core.engine.core_client import EngineCoreClient, InprocClient
-from quire.core.engine.input_processor import InputProcessor, PromptType
-from quire.core.engine.output_processor import OutputProcessor, ParentRequest
+from quire.core.engine.front_end import FrontEnd
 from quire.core.engine_args import EngineArgs
-from quire.core.errors import EngineDeadError, ValidationError
-from quire.core.outputs import RequestMetrics, RequestOutput
+from quire.core.errors import EngineDeadError, EngineUtilityError
+from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.renderer import PromptType
 from quire.core.sampling_params import SamplingParams
-from quire.core.tokenizer import load_tokenizer
-from quire.core.wire import EngineCoreRequest, SchedulerStats
+from quire.core.wire import SchedulerStats
 
 
-@dataclasses.dataclass
-class EngineMetrics:
-    """The latest scheduler statistics and the timings of recently finished requests."""
-
-    scheduler: SchedulerStats | None
-    finished_requests: list[RequestMetrics]
+def default_multiprocess() -> bool:
+    """The engine core runs in its own process unless ``QUIRE_MULTIPROCESS_ENGINE=0``."""
+    return os.environ.get("QUIRE_MULTIPROCESS_ENGINE", "1") != "0"
 
 
-def make_sync_client(config: EngineConfig) -> EngineCoreClient:
-    """The engine core in its own process (over ZMQ), unless ``config.multiprocess`` is off."""
-    if not config.multiprocess:
+def make_sync_client(config: EngineConfig, multiprocess: bool | None = None) -> EngineCoreClient:
+    """The engine core in its own process (over ZMQ), or in this one with ``multiprocess=False``."""
+    if not (default_multiprocess() if multiprocess is None else multiprocess):
         return InprocClient(config)
     from quire.core.engine.mp_client import SyncMPClient
 
     return SyncMPClient(config)
 
 
-def fan_out(output_processor: OutputProcessor, request: EngineCoreRequest,
-            prompt_text: str | None) -> list[EngineCoreRequest]:
-    """Register a request with the output processor; return the engine requests to send.
-
-    With ``n > 1`` the request becomes ``n`` children ``id#i`` under one ``ParentRequest``; child ``i``
-    is seeded ``seed + i``, and only the first computes prompt logprobs (the prompt is shared).
-    """
-    params = request.sampling_params
-    if params.n == 1:
-        output_processor.add_request(request, prompt_text)
-        return [request]
-    children = []
-    for index in range(params.n):
-        child_params = msgspec.structs.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + index,
-            prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-        children.append(msgspec.structs.replace(request, request_id=f"{request.request_id}#{index}",
-                                                sampling_params=child_params))
-    parent = ParentRequest(request.request_id, [c.request_id for c in children], params.output_kind)
-    for index, child in enumerate(children):
-        output_processor.add_request(child, prompt_text, parent, index)
-    return children
-
-
 class LLMEngine:
     """Front-end processing around an engine core, driven by the caller's ``step`` loop."""
 
-    def __init__(self, config: EngineConfig, engine_core: EngineCoreClient | None = None):
+    def __init__(self, config: EngineConfig, engine_core: EngineCoreClient | None = None,
+                 multiprocess: bool | None = None):
         self.config = config
         self.model_config = config.model
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.engine_core = engine_core or make_sync_client(config)
+        self.engine_core = engine_core or make_sync_client(config, multiprocess)
         self.max_model_len = self.engine_core.max_model_len
-        self.input_processor = InputProcessor(config.model, self.tokenizer, self.max_model_len,
-                                              config.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        self.front_end = FrontEnd(config, self.max_model_len)
+        self.renderer = self.front_end.renderer
+        self.output_processor = self.front_end.output_processor
         self.scheduler_stats: SchedulerStats | None = None
         self.reset_frontend_timings()
 
@@ -82,11 +53,11 @@ class LLMEngine:
         self.frontend_timings = {"waiting": 0.0, "output_processing": 0.0}
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool | None = None) -> LLMEngine:
+        return cls(args.create_engine_config(), multiprocess=multiprocess)
 
     def get_tokenizer(self):
-        return self.tokenizer
+        return self.renderer.tokenizer
 
     @property
     def errored(self) -> bool:
@@ -96,25 +67,21 @@ class LLMEngine:
     def is_running(self) -> bool:
         return not self.errored
 
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError("the engine core is dead; no more requests can be served")
+
     def check_health(self) -> None:
         if self.errored:
-            raise EngineDeadError("the engine core is dead; no more requests can be served")
-
-    def render_chat(self, messages: Conversation, chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        return render_chat(self.tokenizer, messages, chat_template, add_generation_prompt,
-                           continue_final_message, chat_template_kwargs)
+            raise self.dead_error
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> None:
         """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children."""
-        if self.output_processor.is_in_flight(request_id):
-            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
-        request, prompt_text = self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                            priority, cache_salt)
-        for engine_request in fan_out(self.output_processor, request, prompt_text):
+        request, prompt_text = self.front_end.process(request_id, prompt, params, arrival_time, priority,
+                                                      cache_salt)
+        for engine_request in self.front_end.register(request, prompt_text):
             self.engine_core.add_request(engine_request)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -143,9 +110,19 @@ class LLMEngine:
         """Forget every cached prefix; refused (False) while requests are running."""
         return self.engine_core.call_utility("reset_prefix_cache")
 
-    def check_idle_invariants(self) -> bool:
-        """Raise unless nothing (requests, KV blocks, runner rows) is left in the engine core."""
-        return self.engine_core.call_utility("check_idle_invariants")
+    def get_stats(self) -> dict[str, Any]:
+        """The engine core's scheduler and KV-cache counters, KV blocks, steps and threads."""
+        return self.engine_core.call_utility("get_stats")
+
+    def get_step_timings(self, reset: bool = False) -> dict[str, Any]:
+        """Seconds per engine-step phase and the number of steps (since start-up or the last reset)."""
+        return self.engine_core.call_utility("get_step_timings", reset)
+
+    def check_idle_invariants(self) -> None:
+        """Raise ``EngineUtilityError`` unless nothing (requests, KV blocks, runner rows) is left anywhere."""
+        if self.output_processor.has_unfinished_requests():
+            raise EngineUtilityError("the front end still tracks requests")
+        self.engine_core.call_utility("check_idle_invariants")
 
     def get_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.scheduler_stats, list(self.output_processor.finished_metrics))

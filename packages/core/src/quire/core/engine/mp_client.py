@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from quire.core.config import EngineConfig
 from quire.core.engine.core_client import EngineCoreClient
-from quire.core.errors import ConfigError, EngineDeadError
+from quire.core.errors import ConfigError, EngineDeadError, EngineUtilityError
 from quire.core.wire import (
     ENGINE_DEAD_SENTINEL,
     EngineCoreOutputs,
@@ -175,7 +175,7 @@ class MPClient(EngineCoreClient):
         if future is None or future.done():
             return
         if utility_output.failure_message is not None:
-            future.set_exception(RuntimeError(utility_output.failure_message))
+            future.set_exception(EngineUtilityError(utility_output.failure_message))
         else:
             future.set_result(utility_output.result)
 
@@ -241,7 +241,11 @@ class SyncMPClient(MPClient):
         future: Future = Future()
         self._pending_calls[call.call_id] = future
         self._send(RequestType.UTILITY, call)
-        return future.result(timeout=timeout)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            self._pending_calls.pop(call.call_id, None)
+            raise EngineUtilityError(f"{method} got no answer from the engine core in {timeout:.0f} s") from None
 
 
 
@@ -325,7 +329,11 @@ class AsyncMPClient(MPClient):
         future = self._loop.create_future()
         self._pending_calls[call.call_id] = future
         await self._input.send_multipart(self._message(RequestType.UTILITY, call))
-        return await asyncio.wait_for(future, timeout)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            self._pending_calls.pop(call.call_id, None)
+            raise EngineUtilityError(f"{method} got no answer from the engine core in {timeout:.0f} s") from None
 
     # The synchronous interface is not available on an asyncio client.
     def add_request(self, request):

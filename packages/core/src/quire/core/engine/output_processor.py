@@ -99,6 +99,11 @@ class OutputProcessor:
         return len(self.request_states)
 
     @property
+    def unfinished_request_ids(self) -> list[str]:
+        """User request ids (a parent's, not its children's) still in flight."""
+        return list(dict.fromkeys(state.user_request_id for state in self.request_states.values()))
+
+    @property
     def num_unfinished_prompt_tokens(self) -> int:
         return sum(len(state.prompt_token_ids) for state in self.request_states.values())
 
