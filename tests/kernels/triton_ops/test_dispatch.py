@@ -30,7 +30,8 @@ def test_a_cpu_engine_never_imports_triton(tiny_checkpoint, tmp_path):
         f"llm = LLM({str(tiny_checkpoint('llama'))!r}, device='cpu', multiprocess=False)\n"
         "out = llm.generate(['hello world'] * 3, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)\n"
         "assert all(len(o.outputs[0].token_ids) == 8 for o in out)\n"
-        "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'quire.kernels.triton_ops')))\n"
+        "loaded = sorted(m for m in sys.modules\n"
+        "                if m == 'triton' or m.startswith(('triton.', 'quire.kernels.triton_ops')))\n"
         "print('LOADED', loaded)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -61,7 +61,8 @@ def test_rotary_on_strided_query_and_key(dtype, device):
     for out, x, expected in ((out_q, query.cpu(), expected_q), (out_k, key.cpu(), expected_k)):
         half = head_dim // 2
         # the magnitude of the two rounded products that each output sums
-        bound = (x[..., :half].float().abs() + x[..., half:].float().abs()) * (cos.float().abs() + sin.float().abs())[:, None]
+        factors = (cos.float().abs() + sin.float().abs())[:, None]
+        bound = (x[..., :half].float().abs() + x[..., half:].float().abs()) * factors
         check(out, expected, torch.cat([bound, bound], dim=-1), roundings=3)
 
 

@@ -9,8 +9,8 @@
 //   -> output    [B, Hq, D]                      query's dtype
 //
 // Work is split over requests (and over KV heads when there are too few requests for the threads); each
-// cache row is read once for all the query heads that share it. Built with -O3 -ffast-math: every value is finite (the running maximum starts at
-// -FLT_MAX, not -inf).
+// cache row is read once for all the query heads that share it. The running maximum starts at -FLT_MAX, not
+// -inf; a NaN or +inf score makes the head's output NaN, as PyTorch's float32 softmax does.
 //
 // NOTE: with bfloat16 the arithmetic follows PyTorch's CPU flash attention (the reference, and what
 // transformers runs): scores are (q . k) * scale in float32, probabilities are rounded to bfloat16 before
@@ -21,11 +21,16 @@
 
 #include "bf16.h"
 #include "parallel.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -36,6 +41,59 @@ inline float to_float(uint16_t bf16_bits) { return quire::bf16_to_float(bf16_bit
 // to bfloat16 when the cache is bfloat16.
 inline float probability_weight(float p, float) { return p; }
 inline float probability_weight(float p, uint16_t) { return quire::bf16_to_float(quire::float_to_bf16(p)); }
+
+// The sum of sixteen floats, added pairwise.
+inline float sum_lanes(const float* lanes) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(_mm512_loadu_ps(lanes));
+#elif defined(__AVX__)
+  const __m256 eight = _mm256_add_ps(_mm256_loadu_ps(lanes), _mm256_loadu_ps(lanes + 8));
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+#else
+  float pairs[8];
+  for (int j = 0; j < 8; ++j) pairs[j] = lanes[j] + lanes[j + 8];
+  return ((pairs[0] + pairs[4]) + (pairs[2] + pairs[6])) + ((pairs[1] + pairs[5]) + (pairs[3] + pairs[7]));
+#endif
+}
+
+// q . key in float32 over n elements, in sixteen partial sums (one per vector lane) added pairwise at the
+// end. NOTE: not an `omp simd` reduction: without -ffast-math GCC adds the lanes of one in order, a chain
+// of sixteen dependent scalar adds per score, which made float32 decode 1.5 times slower.
+template <typename T>
+inline float dot_product(const float* q, const T* key, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * to_float(key[d + j]);
+  }
+  float tail = 0.f;
+  for (; d < n; ++d) tail += q[d] * to_float(key[d]);
+  return sum_lanes(lanes) + tail;
+}
+
+// The largest of n scores, at least -FLT_MAX. NOTE: GCC does not vectorize a float max reduction without
+// -ffast-math (with a NaN its result depends on the order; here a NaN score makes the head's output NaN
+// whichever order finds the maximum), so the vector max is written out.
+inline float max_score(const float* scores, int64_t n) {
+  float maximum = -FLT_MAX;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_set1_ps(-FLT_MAX);
+  for (; t + 16 <= n; t += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(scores + t));
+  maximum = _mm512_reduce_max_ps(lanes);
+#elif defined(__AVX__)
+  __m256 lanes = _mm256_set1_ps(-FLT_MAX);
+  for (; t + 8 <= n; t += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(scores + t));
+  alignas(32) float eight[8];
+  _mm256_store_ps(eight, lanes);
+  maximum = *std::max_element(eight, eight + 8);
+#endif
+  for (; t < n; ++t) maximum = std::max(maximum, scores[t]);
+  return maximum;
+}
 
 // Blocks sit anywhere in the cache: ask for the next block's row while this block's is being used, so
 // that a jump between blocks does not stall on memory latency.
@@ -81,18 +139,15 @@ void decode(const float* query, const T* key_cache, const T* value_cache, const 
           for (int64_t r = 0; r < rows; ++r) {
             const T* key = row + (first_kv + r / group) * head_dim;
             const float* q = &query_f[r * head_dim];
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * to_float(key[d]);
-            scores[r * length + t0 + i] = dot * scale;
+            scores[r * length + t0 + i] = dot_product(q, key, head_dim) * scale;
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* s = &scores[r * length];
-        float maximum = -FLT_MAX;
-        for (int64_t t = 0; t < length; ++t) maximum = std::max(maximum, s[t]);
+        const float maximum = max_score(s, length);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < length; ++t) {
           const float p = std::exp(s[t] - maximum);
           total += p;
@@ -129,7 +184,6 @@ void decode(const float* query, const T* key_cache, const T* value_cache, const 
 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 
 // The AVX-512 bfloat16 path (head_dim a multiple of 32): one work item is one request and one KV head,
 // with the `group` query heads that share it. Scores come from `vdpbf16ps` (exact products, float32
@@ -236,8 +290,7 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
       }
       for (int64_t r = 0; r < group; ++r) {
         float* s = &probs[r * length];
-        float maximum = -FLT_MAX;
-        for (int64_t t = 0; t < length; ++t) maximum = std::max(maximum, s[t]);
+        const float maximum = max_score(s, length);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < length; ++t) {
