@@ -39,8 +39,9 @@ def test_version_and_env():
     assert version.exit_code == 0 and "quire-core" in version.stdout and "0.1.0" in version.stdout
     env = runner.invoke(app, ["env"])
     assert env.exit_code == 0
-    for line in ("torch", "transformers", "python", "cpu", "gpu"):
+    for line in ("torch", "transformers", "python", "cpu", "gpu", "cpu kernels"):
         assert line in env.stdout
+    assert "C++ CPU kernels" in env.stdout or "PyTorch fallback" in env.stdout
 
 
 def test_generate_from_flags_and_files(llama_checkpoint, tmp_path):

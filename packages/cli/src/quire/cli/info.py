@@ -39,6 +39,7 @@ def print_environment() -> None:
         print(f"{distribution:22s} {_version(distribution)}")
     print(f"{'cpu':22s} {platform.machine()}, {_cpu_count()} cores, features: {' '.join(cpu_features()) or '-'}")
     print(f"{'gpu':22s} {_gpus()}")
+    print(f"{'cpu kernels':22s} {_cpu_kernels()}")
 
 
 def _cpu_count() -> int:
@@ -55,3 +56,14 @@ def _gpus() -> str:
     if not torch.cuda.is_available():
         return "none"
     return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+
+
+def _cpu_kernels() -> str:
+    """The C++ CPU kernels' state (built, not built yet, or why the PyTorch path runs); never builds them."""
+    try:
+        import torch
+
+        from quire.core.worker.gpu_memory import describe_kernels
+    except ImportError as error:
+        return f"unavailable ({error})"
+    return describe_kernels(torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""Choosing the device and sizing the KV cache from what is left of a GPU after a profiled forward pass."""
+"""Choosing the device, naming the kernels it runs, and sizing the KV cache from what is left of a GPU after a
+profiled forward pass."""
 
 from __future__ import annotations
 
@@ -76,3 +77,13 @@ def profile_forward(runner) -> None:
     hidden = runner.model(input_ids, torch.from_numpy(positions).to(runner.device), kv_caches, metadata)
     runner.model.compute_logits(hidden[-min(num_tokens, scheduler.max_num_seqs):])
     del kv_caches, hidden
+
+
+def describe_kernels(device: torch.device) -> str:
+    """Which kernels run this device's arithmetic, in one line (start-up log, ``quire env``); on CPUs this
+    never builds the C++ kernels."""
+    if device.type == "cuda":
+        return f"Triton on {torch.cuda.get_device_name(device)}"
+    from quire.kernels import cpu_extension
+
+    return cpu_extension.describe()

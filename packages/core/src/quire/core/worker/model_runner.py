@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
 from quire.core.wire import Logprobs
 from quire.core.worker.cuda_graphs import CudaGraphRunner
-from quire.core.worker.gpu_memory import profile_kv_blocks, resolve_device
+from quire.core.worker.gpu_memory import describe_kernels, profile_kv_blocks, resolve_device
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.sampler import Sampler, gather_logprobs
@@ -49,6 +50,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # flat token index of each sampling row's last token
 
 
+logger = logging.getLogger(__name__)
+
+
 class ModelRunner:
     """Owns the model, its KV cache and the persistent batch of one device."""
 
@@ -67,6 +71,7 @@ class ModelRunner:
         load_weights(self.model, iterate_weights(model_config.path), entry.weights, model_config)
         self.model.prepack()
         self.model.eval()
+        logger.info("compute kernels: %s; attention backend: %s", describe_kernels(self.device), backend)
         max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, model_config.max_model_len,
                                       max_blocks_per_req)
