@@ -3,7 +3,7 @@
 import pytest
 
 from quire.core import EngineArgs, EngineClient, LLMEngine, RequestOutputKind, SamplingParams, SyncEngineClient
-from quire.core.errors import ValidationError
+from quire.core.errors import EngineUtilityError, ValidationError
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,14 @@ def test_duplicate_request_ids_are_refused(engine):
         engine.add_request("dup", "b", params(RequestOutputKind.FINAL_ONLY))
     assert info.value.param == "request_id"
     drain(engine)
+
+
+def test_utility_failures_have_one_type(engine):
+    with pytest.raises(EngineUtilityError, match="unknown utility method"):
+        engine.engine_core.call_utility("no_such_method")
+    engine.add_request("left", "x", params(RequestOutputKind.FINAL_ONLY))
+    with pytest.raises(EngineUtilityError, match="front end still tracks requests"):
+        engine.check_idle_invariants()
+    drain(engine)
+    engine.check_idle_invariants()
+    assert engine.get_step_timings()["num_steps"] >= 1

@@ -158,5 +158,9 @@ def test_validation_errors_and_utilities(make_async_llm):
         engine.check_health()
         assert engine.is_running and not engine.errored
         assert isinstance(engine, EngineClient)
+        with pytest.raises(EngineUtilityError, match="unknown utility method"):  # the same type as in-process
+            await engine.engine_core.call_utility_async("no_such_method")
+        assert (await engine.get_debug_state())["front_end"] == {"tracked_requests": 0, "open_collectors": 0}
+        assert (await engine.get_step_timings())["num_steps"] >= 1
 
     run(main())
