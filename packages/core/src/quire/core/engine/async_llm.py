@@ -16,18 +16,10 @@ from typing import Any
 
 from quire.core.config import EngineConfig
 from quire.core.engine.front_end import FrontEnd
-from quire.core.engine.output_collector import RequestOutputCollector
+from quire.core.engine.output_collector import RequestOutputCollector, RequestStream
 from quire.core.engine.protocol import StatLogger
 from quire.core.engine_args import EngineArgs
-from quire.core.errors import (
-    EngineDeadError,
-    EngineGenerateError,
-    EngineUtilityError,
-    OverloadedError,
-    QueueTimeoutError,
-    RequestTimeoutError,
-    ValidationError,
-)
+from quire.core.errors import EngineDeadError, EngineUtilityError, OverloadedError, ValidationError
 from quire.core.outputs import EngineMetrics, RequestOutput
 from quire.core.renderer import PromptType, is_long
 from quire.core.sampling_params import SamplingParams
@@ -258,60 +250,3 @@ class AsyncLLM:
                 task.cancel()
         self.engine_core.shutdown()
 
-
-class RequestStream:
-    """The outputs of one request added with ``AsyncLLM.add_request``, as an async iterator that ends after
-    the final output. Cancelling a wait on it, or ``aclose()`` before the end, aborts the request."""
-
-    __slots__ = ("_engine", "request_id", "_collector", "_finished", "prompt_token_ids", "prompt")
-
-    def __init__(self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector,
-                 prompt_token_ids: list[int], prompt: str | None):
-        self._engine = engine
-        self.request_id = request_id
-        self._collector = collector
-        self._finished = False
-        self.prompt_token_ids = prompt_token_ids
-        self.prompt = prompt
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._finished:
-            raise StopAsyncIteration
-        collector = self._collector
-        output = collector.get_nowait()
-        if output is None:
-            try:
-                output = await (collector.get() if collector.deadline is None else self._next_with_deadline())
-            except asyncio.CancelledError:
-                self._abandon()
-                raise
-        if output.finished:
-            self._finished = True
-            self._engine.collectors.pop(self.request_id, None)
-            reasons = {c.finish_reason for c in output.outputs}
-            if "error" in reasons:
-                raise EngineGenerateError(f"the engine failed request {self.request_id!r}")
-            if "queue_timeout" in reasons:
-                raise QueueTimeoutError(f"request {self.request_id!r} waited longer than max_queue_time for the "
-                                        "engine; retry later")
-        return output
-
-    async def _next_with_deadline(self) -> RequestOutput:
-        collector = self._collector
-        try:
-            return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
-        except TimeoutError:
-            self._abandon()
-            raise RequestTimeoutError(f"request {self.request_id!r} ran past its time limit and was aborted") from None
-
-    def _abandon(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine._abort_now([self.request_id])
-
-    async def aclose(self) -> None:
-        """Stop reading; a request that has not finished is aborted."""
-        self._abandon()

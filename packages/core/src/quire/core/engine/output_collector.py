@@ -1,4 +1,5 @@
-"""Per-request hand-off from the output handler to the consumer of ``AsyncLLM.generate``.
+"""Per-request hand-off from ``AsyncLLM``'s output handler to the request's consumer: the
+``RequestOutputCollector`` it fills and the ``RequestStream`` the consumer reads.
 
 The collector holds at most one pending item: if the consumer lags, delta outputs are merged into it
 (text and tokens appended), cumulative and final ones replace it, so memory stays bounded.
@@ -8,9 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from typing import TYPE_CHECKING
 
+from quire.core.errors import EngineGenerateError, QueueTimeoutError, RequestTimeoutError
 from quire.core.outputs import CompletionOutput, RequestOutput
 from quire.core.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from quire.core.engine.async_llm import AsyncLLM
 
 
 class RequestOutputCollector:
@@ -64,3 +71,61 @@ def _merge_completion(old: CompletionOutput, new: CompletionOutput) -> Completio
     logprobs = None if new.logprobs is None else (old.logprobs or []) + new.logprobs
     return dataclasses.replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
                                logprobs=logprobs)
+
+
+class RequestStream:
+    """The outputs of one request added with ``AsyncLLM.add_request``, as an async iterator that ends after
+    the final output. Cancelling a wait on it, or ``aclose()`` before the end, aborts the request."""
+
+    __slots__ = ("_engine", "request_id", "_collector", "_finished", "prompt_token_ids", "prompt")
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector,
+                 prompt_token_ids: list[int], prompt: str | None):
+        self._engine = engine
+        self.request_id = request_id
+        self._collector = collector
+        self._finished = False
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt = prompt
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        collector = self._collector
+        output = collector.get_nowait()
+        if output is None:
+            try:
+                output = await (collector.get() if collector.deadline is None else self._next_with_deadline())
+            except asyncio.CancelledError:
+                self._abandon()
+                raise
+        if output.finished:
+            self._finished = True
+            self._engine.collectors.pop(self.request_id, None)
+            reasons = {c.finish_reason for c in output.outputs}
+            if "error" in reasons:
+                raise EngineGenerateError(f"the engine failed request {self.request_id!r}")
+            if "queue_timeout" in reasons:
+                raise QueueTimeoutError(f"request {self.request_id!r} waited longer than max_queue_time for the "
+                                        "engine; retry later")
+        return output
+
+    async def _next_with_deadline(self) -> RequestOutput:
+        collector = self._collector
+        try:
+            return await asyncio.wait_for(collector.get(), max(0.0, collector.deadline - time.monotonic()))
+        except TimeoutError:
+            self._abandon()
+            raise RequestTimeoutError(f"request {self.request_id!r} ran past its time limit and was aborted") from None
+
+    def _abandon(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._abort_now([self.request_id])
+
+    async def aclose(self) -> None:
+        """Stop reading; a request that has not finished is aborted."""
+        self._abandon()
