@@ -9,6 +9,7 @@ import torch
 from quire.core.worker.logits_processors import (
     AllowedTokenIds,
     BannedTokenIds,
+    GrammarBitmask,
     LogitBias,
     LogitsProcessor,
     default_logits_processors,
@@ -55,7 +56,7 @@ def greedy_metadata(batch: int, **fields) -> SamplingMetadata:
 
 def test_built_in_members_in_the_documented_order():
     members = default_logits_processors().processors
-    assert [type(p) for p in members] == [AllowedTokenIds, BannedTokenIds, LogitBias]
+    assert [type(p) for p in members] == [GrammarBitmask, AllowedTokenIds, BannedTokenIds, LogitBias]
     # allowed ids first, then bans, then bias: a banned allowed token stays banned, a biased one wins
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
     metadata = greedy_metadata(1, allowed_token_ids={0: [0, 1, 2]}, banned_token_ids={0: [0]},

@@ -233,3 +233,6 @@ class EngineConfig:
     # Streaming outputs are handed over every this many tokens (after the first, and at the end); a request
     # may ask for a larger interval. 1: every token.
     stream_interval: int = 1
+    # Structured outputs: the grammar library of requests that name none ("auto": xgrammar, and guidance
+    # for what only guidance supports).
+    structured_outputs_backend: str = "auto"

@@ -88,6 +88,10 @@ class EngineArgs:
                                                  "elsewhere).", choices=("torch", "triton"))
     stream_interval: int = option(1, "Streamed outputs carry this many tokens per chunk after the first: "
                                      "fewer, larger chunks cost the front end less per token.")
+    structured_outputs_backend: str = option(
+        "auto", "Grammar library of structured outputs (JSON schema, regex, choice, grammar): auto takes "
+                "xgrammar, and guidance for what only guidance supports.",
+        choices=("auto", "xgrammar", "guidance"))
 
     @classmethod
     def field_types(cls) -> dict[str, Any]:
@@ -148,6 +152,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             stream_interval=self.stream_interval,
+            structured_outputs_backend=self.structured_outputs_backend,
         )
 
     def _validate(self) -> None:

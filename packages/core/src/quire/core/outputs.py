@@ -34,6 +34,7 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    structured_output_backend: str | None = None  # the grammar library of a constrained request
 
     @property
     def time_to_first_token(self) -> float | None:

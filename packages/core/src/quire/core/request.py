@@ -13,13 +13,14 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after ``PREEMPTED`` is a finished one."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
-    FINISHED_QUEUE_TIMEOUT = 7
+    WAITING_FOR_GRAMMAR = 1  # its structured-output constraint is still compiling
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+    FINISHED_QUEUE_TIMEOUT = 8
 
     @property
     def is_finished(self) -> bool:
@@ -74,6 +75,9 @@ class Request:
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
         self.events: list[EngineCoreEvent] = []  # not yet reported to the front end
+        # A StructuredOutputRequest (quire.core.structured_outputs.manager) when the output is constrained.
+        self.structured_output = None
+        self.error_message: str | None = None  # why a FINISHED_ERROR request failed
 
     def record_event(self, event_type: EventType) -> None:
         self.events.append(EngineCoreEvent(event_type, time.monotonic()))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
+from typing import Any
 
 import msgspec
 
@@ -20,6 +22,88 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # everything generated so far
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+# the constraints of StructuredOutputsParams, in the order their kinds are named in messages
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One constraint on a request's output, enforced by masking the logits at every step (as vLLM's
+    ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is a JSON value it validates;
+    - ``regex``: the whole output matches this regular expression;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a context-free grammar (EBNF/GBNF for xgrammar; Lark or GBNF for guidance);
+    - ``json_object``: any JSON object;
+    - ``structural_tag``: xgrammar's structural tag (a dict or its JSON text): free text in which
+      tagged regions follow their schemas.
+
+    ``backend`` picks the grammar library for this request (``auto``, ``xgrammar``, ``guidance``; None: the
+    engine's ``structured_outputs_backend``). ``disable_any_whitespace`` makes JSON compact (no optional
+    whitespace at all); otherwise a whitespace run in JSON is at most ``MAX_JSON_WHITESPACE`` characters.
+    The front end resolves ``backend`` and checks the constraint before the request is admitted.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    backend: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _json_text(value, name))
+        if self.json_object is False:
+            self.json_object = None
+        given = self.constraint_kinds()
+        _check(len(given) == 1, "structured_outputs",
+               "structured_outputs must set exactly one of " + ", ".join(CONSTRAINT_KINDS)
+               + (f"; got {', '.join(given)}" if given else "; got none"))
+        _check(self.backend is None or self.backend in STRUCTURED_OUTPUT_BACKENDS, "structured_outputs.backend",
+               f"structured_outputs.backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}; "
+               f"got {self.backend!r}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""), f"structured_outputs.{name}",
+                   f"structured_outputs.{name} must be a non-empty string" +
+                   (" or a JSON object" if name in ("json", "structural_tag") else ""))
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice), "structured_outputs.choice",
+                   "structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    def constraint_kinds(self) -> list[str]:
+        """The constraints this object sets (a valid one sets exactly one)."""
+        return [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+
+    @property
+    def kind(self) -> str:
+        return self.constraint_kinds()[0]
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema, regex, grammar or structural tag; the choices as a JSON list;
+        an empty string for ``json_object``."""
+        value = getattr(self, self.kind)
+        if self.kind == "choice":
+            return json.dumps(value, ensure_ascii=False)
+        return "" if value is True else value
+
+
+def _json_text(value: dict, name: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ValidationError(f"structured_outputs.{name} is not JSON: {error}",
+                              param=f"structured_outputs.{name}") from None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -40,6 +124,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     - ``logprobs=k`` returns, per generated token, the top-k logprobs plus the sampled token's logprob and
       rank; ``prompt_logprobs=k`` does the same for each prompt token after the first. Logprobs are taken
       from the model's raw distribution, before any penalty, bias or temperature.
+    - ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar (see
+      ``StructuredOutputsParams``); logprobs stay those of the model, before the constraint's mask.
     - ``truncate_prompt_tokens=k`` keeps only the last k prompt tokens (-1: as many as the model allows).
     - ``stream_interval=k`` (streaming outputs): after the first token, an output is handed over once at
       least k new tokens have accumulated, and at the end; raised to the engine's ``stream_interval``.
@@ -70,6 +156,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     stream_interval: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -124,6 +124,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_scheduled_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
+    # Seconds each structured-output grammar compiled since the previous snapshot took (cache misses only).
+    structured_output_compile_seconds: list[float] = []
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -11,10 +11,15 @@ from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
 from quire.core.sched.kv_cache_manager import KVCacheManager
 from quire.core.sched.scheduler import Scheduler
+from quire.core.structured_outputs.manager import StructuredOutputManager
 from quire.core.timing import StepTimings
 from quire.core.wire import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
+
+# While every request waits for its grammar, a step waits this long for one to compile (instead of spinning;
+# new input is read between steps, so it is never held up longer than this).
+GRAMMAR_WAIT_SECONDS = 0.01
 
 
 class EngineCore:
@@ -37,6 +42,8 @@ class EngineCore:
             KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
             config.model.max_model_len,
         )
+        self.structured_outputs = StructuredOutputManager(
+            config.tokenizer, config.model.vocab_size, config.scheduler.max_num_seqs)
         if self.faults.enabled:
             logger.warning("test fault injection is enabled: %s", self.faults)
         self.num_steps = 0
@@ -46,11 +53,16 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.faults.check_request(request.request_id)
-        self.scheduler.add_request(Request(
+        core_request = Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
             request.cache_salt, request.bad_words_token_ids,
-        ))
+        )
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            core_request.structured_output = self.structured_outputs.add_request(constraint,
+                                                                                 request.eos_token_ids)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -103,14 +115,18 @@ class EngineCore:
         return True
 
     def step(self) -> EngineCoreOutputs:
-        """Run one engine step; with nothing to do, return empty outputs at once."""
+        """Run one engine step; with nothing to do, return empty outputs at once (or, while every request
+        waits for its grammar to compile, after waiting up to ``GRAMMAR_WAIT_SECONDS`` for one)."""
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+        if self.scheduler.only_compiling:
+            self.structured_outputs.wait_for_any(self.scheduler.waiting_for_grammar, GRAMMAR_WAIT_SECONDS)
         self.num_steps += 1
         self.faults.before_step(self.num_steps)
         timings = self.timings
         timings.start()
         scheduler_output = self.scheduler.schedule()
+        self._fill_grammar_bitmask(scheduler_output)
         timings.mark("schedule")
         runner_output = self.executor.execute_model(scheduler_output, timings)
         self.faults.rewrite_samples(runner_output.sampled_token_ids, self.scheduler.requests)
@@ -118,9 +134,27 @@ class EngineCore:
         self._release_if_idle()
         timings.mark("update")
         timings.num_steps += 1
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
-                                 timestamp=time.monotonic())
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _fill_grammar_bitmask(self, scheduler_output) -> None:
+        """The token bitmask of the constrained requests that sample in this step."""
+        requests = self.scheduler.requests
+        constrained = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = requests[request_id]
+            if request.structured_output is not None and request.num_computed_tokens == request.num_tokens:
+                constrained.append(request)
+        if constrained:
+            scheduler_output.grammar_bitmask = self.structured_outputs.grammar_bitmask(constrained)
+
+    def make_stats(self):
+        stats = self.scheduler.make_stats()
+        compile_seconds = self.structured_outputs.take_compile_seconds()
+        if compile_seconds:
+            stats.structured_output_compile_seconds = compile_seconds
+        return stats
 
     def shutdown(self) -> None:
         """Release the executor's runners and workers; the engine core is not used after this."""
+        self.structured_outputs.shutdown()
         self.executor.shutdown()

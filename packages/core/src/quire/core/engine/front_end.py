@@ -21,7 +21,8 @@ class FrontEnd:
     def __init__(self, config: EngineConfig, max_model_len: int):
         tokenizer = load_tokenizer(config.tokenizer)
         self.renderer = Renderer(tokenizer, config.model.vocab_size)
-        self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs)
+        self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
+                                              config.structured_outputs_backend)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,

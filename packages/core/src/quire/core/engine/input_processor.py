@@ -12,6 +12,7 @@ from quire.core.config import ModelConfig
 from quire.core.errors import ValidationError
 from quire.core.renderer import PromptType, RenderedPrompt, Renderer
 from quire.core.sampling_params import SamplingParams
+from quire.core.structured_outputs.validation import StructuredOutputValidator
 from quire.core.wire import EngineCoreRequest
 
 
@@ -19,8 +20,9 @@ class InputProcessor:
     """Renders prompts (through the ``Renderer``) and checks them against the model's limits."""
 
     def __init__(self, model_config: ModelConfig, renderer: Renderer, max_model_len: int | None = None,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, structured_outputs_backend: str = "auto"):
         self.model_config = model_config
+        self.structured_outputs = StructuredOutputValidator(structured_outputs_backend)
         self.renderer = renderer
         self.max_model_len = max_model_len or model_config.max_model_len
         self.max_logprobs = max_logprobs
@@ -48,7 +50,7 @@ class InputProcessor:
         rendered = self.renderer.render(prompt)
         prompt_ids = self._truncate(rendered.token_ids, params.truncate_prompt_tokens)
         self._check_context(rendered, len(prompt_ids))
-        self._validate_params(params)
+        params = self._validate_params(params)
         params = self._resolve_max_tokens(params, len(prompt_ids))
         request = EngineCoreRequest(
             request_id=request_id,
@@ -106,7 +108,9 @@ class InputProcessor:
                     sequences.append(ids)
         return sequences
 
-    def _validate_params(self, params: SamplingParams) -> None:
+    def _validate_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids and logprobs against the engine's limits and the constraint against its backend;
+        return the params with the constraint's backend resolved."""
         for name, token_ids in (("stop_token_ids", params.stop_token_ids),
                                 ("allowed_token_ids", params.allowed_token_ids or ()),
                                 ("logit_bias", params.logit_bias or ())):
@@ -119,3 +123,8 @@ class InputProcessor:
                 raise ValidationError(
                     f"{name}={requested} is more than this engine's max_logprobs={self.max_logprobs}",
                     param=name)
+        if params.structured_outputs is not None:
+            constraint = self.structured_outputs.validate(params.structured_outputs)
+            if constraint is not params.structured_outputs:
+                params = msgspec.structs.replace(params, structured_outputs=constraint)
+        return params

@@ -36,6 +36,9 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # Tokens that end a request and whose text is left out (EOS unless ignore_eos, stop token ids): a
+    # request that stops on anything else (its grammar terminated) keeps its last token's text.
+    stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def user_request_id(self) -> str:
@@ -85,7 +88,11 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                                    num_prompt_tokens=len(request.prompt_token_ids)),
             stream_interval=max(self.stream_interval, params.stream_interval or 1),
+            stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else request.eos_token_ids),
         )
+        if params.structured_outputs is not None:
+            self.request_states[request.request_id].metrics.structured_output_backend = \
+                params.structured_outputs.backend
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -179,7 +186,7 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.token_times.extend([now] * len(new_token_ids))
-        stop_terminated = output.finish_reason == FinishReason.STOP
+        stop_terminated = output.finish_reason == FinishReason.STOP and new_token_ids[-1] in state.stop_token_ids
         stop_string = state.detokenizer.update(new_token_ids, stop_terminated)
         if output.new_logprobs is not None:
             num_kept = len(state.detokenizer.token_ids) - state.logprobs.num_sampled

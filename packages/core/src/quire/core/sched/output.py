@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import Logprobs
@@ -40,6 +41,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     # Requests that finished or were preempted since the previous step: the runner drops their state.
     finished_request_ids: set[str]
+    # Structured outputs: the ids of the constrained requests that sample in this step, and their rows of
+    # the token bitmask (int32 ``[len(ids), ceil(vocab / 32)]``, one bit per allowed token); None if none.
+    grammar_bitmask: tuple[list[str], Any] | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -6,6 +6,10 @@ prefix-cache hits, resumption after preemption and decode in the same batch. Run
 first; waiting requests are admitted only if no request was preempted in this step. When KV blocks run
 out, a running request chosen by the policy (FCFS: the latest admitted; priority: the lowest priority)
 is preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+
+A request with a structured-output constraint waits apart (``waiting_for_grammar``) until its grammar
+has compiled, then joins the waiting queue in arrival order; nobody else waits for it. Each sampled token
+advances its grammar, and a terminated grammar finishes the request (``stop``).
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []
         self._removed_request_ids: set[str] = set()
         self.num_preemptions = 0
         self._last_num_scheduled_tokens = 0
-        self._timed_out: list[EngineCoreOutput] = []
+        self._early_outputs: list[EngineCoreOutput] = []  # requests finished before any step ran them
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -50,8 +55,34 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
         request.record_event(EventType.QUEUED)
+        if request.structured_output is not None and not request.structured_output.is_ready():
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.structured_output is not None and request.structured_output.error is not None:
+            self.requests.pop(request.request_id)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._removed_request_ids.add(request.request_id)
+            self._early_outputs.append(EngineCoreOutput(
+                request.request_id, [], request.status.finish_reason, events=request.take_events(),
+                error_message=request.structured_output.error))
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready (or failed) from ``waiting_for_grammar`` on."""
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            if request.structured_output.is_ready():
+                self._enqueue(request)
+            else:
+                still_compiling.append(request)
+        self.waiting_for_grammar = still_compiling
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort); unknown or already finished ids are ignored."""
@@ -61,17 +92,24 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Every unfinished request waits for its grammar: a step has nothing to run."""
+        return bool(self.waiting_for_grammar) and not (self.waiting or self.running)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -79,6 +117,8 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         if self.config.max_queue_time is not None:
             self._expire_waiting(self.clock() - self.config.max_queue_time)
         step = _StepPlan(self.config.max_num_batched_tokens)
@@ -102,7 +142,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_QUEUE_TIMEOUT
             self._free(request)
-            self._timed_out.append(EngineCoreOutput(
+            self._early_outputs.append(EngineCoreOutput(
                 request.request_id, [], request.status.finish_reason, events=request.take_events(),
                 error_message=f"the request waited more than max_queue_time={self.config.max_queue_time:g} s "
                               "for its first step"))
@@ -171,7 +211,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, decide stops, free finished requests; return per-request outputs (and
         those of requests that timed out in the queue during ``schedule``)."""
-        outputs, self._timed_out = self._timed_out, []
+        outputs, self._early_outputs = self._early_outputs, []
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -180,14 +220,15 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if check_stop(request, self.max_model_len):
+                if check_stop(request, self.max_model_len) or (
+                        request.structured_output is not None and _advance_grammar(request, token_id)):
                     break
             if request.is_finished:
                 self.running.remove(request)
                 self._free(request)
             outputs.append(EngineCoreOutput(
                 request_id, new_token_ids, request.status.finish_reason, request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens or 0,
+                num_cached_tokens=request.num_cached_tokens or 0, error_message=request.error_message,
                 new_logprobs=runner_output.logprobs.get(request_id),
                 new_prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
                 events=request.take_events(),
@@ -204,7 +245,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_preemptions=self.num_preemptions,
@@ -231,6 +272,21 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._removed_request_ids.add(request.request_id)
+
+
+def _advance_grammar(request: Request, token_id: int) -> bool:
+    """Feed a token to the request's grammar; finish the request (and return True) if the grammar refuses
+    the token (an error: the mask allowed nothing the sampler could pick) or has terminated."""
+    structured = request.structured_output
+    if not structured.accept(token_id):
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error_message = (f"token {token_id} is not allowed by the request's structured-output constraint "
+                                 "(other parameters, e.g. min_tokens or bad_words, may conflict with it)")
+        return True
+    if structured.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    return False
 
 
 class _StepPlan:

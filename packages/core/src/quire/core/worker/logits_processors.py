@@ -1,9 +1,9 @@
 """The sampler's logits-processor step: an ordered pipeline of per-request masks and biases.
 
 It runs after the raw logprobs are taken and before penalties, temperature, min-p and top-k/top-p, so a
-processor's mask holds whatever sampling follows. The built-in members, in order: allowed token ids,
-banned token ids (bad words and min-tokens masking), logit bias. Constrained decoding (a grammar bitmask)
-and speculative verification join by adding a processor, not by editing the sampler.
+processor's mask holds whatever sampling follows. The built-in members, in order: the structured-output
+grammar bitmask, allowed token ids, banned token ids (bad words and min-tokens masking), logit bias.
+Speculative verification joins by adding a processor, not by editing the sampler.
 """
 
 from __future__ import annotations
@@ -34,6 +34,33 @@ class LogitsProcessor(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor: ...
+
+
+GRAMMAR_BITMASK = "grammar_bitmask"
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarBitmask(LogitsProcessor):
+    """Structured outputs: each constrained row keeps only the tokens its grammar allows next.
+
+    Input ``processor_inputs["grammar_bitmask"]``: ``(rows, bitmask)``, the logits rows (int64 ``[k]``) and
+    their int32 bitmask rows ``[k, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32``: token ``t``).
+    """
+
+    def is_active(self, metadata: SamplingMetadata) -> bool:
+        return GRAMMAR_BITMASK in metadata.processor_inputs
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        rows, bitmask = metadata.processor_inputs[GRAMMAR_BITMASK]
+        allowed = unpack_bitmask(bitmask, logits.shape[-1])
+        logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+        return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[k, words]`` bitmask -> bool ``[k, vocab_size]`` (True: allowed)."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 class AllowedTokenIds(LogitsProcessor):
@@ -96,4 +123,4 @@ class LogitsProcessorPipeline:
 
 def default_logits_processors() -> LogitsProcessorPipeline:
     """The built-in pipeline, in the order the sampler documents."""
-    return LogitsProcessorPipeline([AllowedTokenIds(), BannedTokenIds(), LogitBias()])
+    return LogitsProcessorPipeline([GrammarBitmask(), AllowedTokenIds(), BannedTokenIds(), LogitBias()])

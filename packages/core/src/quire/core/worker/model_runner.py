@@ -20,6 +20,7 @@ from quire.core.worker.cuda_graphs import CudaGraphRunner
 from quire.core.worker.gpu_memory import describe_kernels, profile_kv_blocks, resolve_device
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from quire.core.worker.logits_processors import GRAMMAR_BITMASK
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 
@@ -112,7 +113,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         timings.mark("forward")
         if logits is not None:
-            self._sample(inputs, logits, output)
+            self._sample(inputs, logits, output, scheduler_output.grammar_bitmask)
         timings.mark("sampling")
         return output
 
@@ -122,9 +123,16 @@ class ModelRunner:
             return self.cuda_graphs.run(inputs.input_ids, positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput,
+                grammar_bitmask: tuple[list[str], np.ndarray] | None = None) -> None:
         batch = self.input_batch
         metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
+        if grammar_bitmask is not None:
+            request_ids, bitmask = grammar_bitmask
+            logits_row = {batch.req_ids[row]: i for i, row in enumerate(inputs.sampling_rows.tolist())}
+            metadata.processor_inputs[GRAMMAR_BITMASK] = (
+                torch.tensor([logits_row[request_id] for request_id in request_ids], dtype=torch.int64),
+                torch.from_numpy(bitmask))
         if logits.device.type != "cpu" and not self.sampler.is_plain_greedy(metadata):
             logits = logits.float().cpu()  # NOTE: the sampler's generators and tables live on the CPU
         sampled = self.sampler(logits, metadata)

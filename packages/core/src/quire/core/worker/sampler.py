@@ -1,8 +1,9 @@
 """Turning logits into tokens.
 
-Order (as in vLLM): raw logprobs (if asked) → the logits processors (``logits_processors``: allowed
-token ids → bad words and min-tokens masking → logit bias → any added processor) → repetition, frequency
-and presence penalties → greedy argmax → temperature → min-p → top-k / top-p → sample. Random rows race
+Order (as in vLLM): raw logprobs (if asked) → the logits processors (``logits_processors``: the
+structured-output grammar bitmask → allowed token ids → bad words and min-tokens masking → logit bias →
+any added processor) → repetition, frequency and presence penalties → greedy argmax → temperature →
+min-p → top-k / top-p → sample. Random rows race
 exponential noise (``argmax(p / q)`` with ``q ~ Exp(1)``, which samples from ``p``); a row with a seed
 draws its noise from a generator seeded by ``(seed, output position)``, so its tokens depend neither on
 the batch it runs in nor on preemptions.
