@@ -30,6 +30,7 @@ from quire.openai_server.serving import (
     until_disconnect,
     usage,
 )
+from quire.openai_server.structured_outputs import naming_errors
 
 MAX_TOP_LOGPROBS = 20
 
@@ -39,11 +40,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     _check_unsupported(body)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = build_sampling_params(state, body, max_tokens=max_tokens, logprobs=num_logprobs,
-                                   prompt_logprobs=body.prompt_logprobs, stream=body.stream)
+    params, source = build_sampling_params(state, body, max_tokens=max_tokens, logprobs=num_logprobs,
+                                           prompt_logprobs=body.prompt_logprobs, stream=body.stream)
     rid = request_id("chatcmpl", request, body.request_id)
-    stream = await state.engine.add_request(rid, chat_prompt(state, body), params, priority=body.priority,
-                                            cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
+    with naming_errors(source):
+        stream = await state.engine.add_request(rid, chat_prompt(state, body), params, priority=body.priority,
+                                                cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
     num_prompt_tokens = len(stream.prompt_token_ids)
     if body.stream:
         return StreamingResponse(_stream(state, body, rid, stream, num_prompt_tokens), media_type="text/event-stream")
@@ -72,9 +74,6 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
                               param="max_completion_tokens")
     if body.tools:
         raise ValidationError("tools are not supported by this server", param="tools", code="unsupported_value")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ValidationError("only response_format of type text is supported", param="response_format",
-                              code="unsupported_value")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise ValidationError("top_logprobs needs logprobs set to true", param="top_logprobs")

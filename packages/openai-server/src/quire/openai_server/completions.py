@@ -31,6 +31,7 @@ from quire.openai_server.serving import (
     until_disconnect,
     usage,
 )
+from quire.openai_server.structured_outputs import naming_errors
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request):
@@ -45,16 +46,17 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                               code="unsupported_value")
     engine = state.engine
     base_id = request_id("cmpl", request, body.request_id)
-    params = build_sampling_params(
+    params, source = build_sampling_params(
         state, body, max_tokens=body.max_tokens, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs,
         stream=body.stream)
     streams = []
     try:
-        for index, prompt in enumerate(_prompts(body)):
-            streams.append(await engine.add_request(f"{base_id}-{index}", prompt, params, priority=body.priority,
-                                                    cache_salt=body.cache_salt,
-                                                    timeout=state.settings.request_timeout))
+        with naming_errors(source):
+            for index, prompt in enumerate(_prompts(body)):
+                streams.append(await engine.add_request(f"{base_id}-{index}", prompt, params,
+                                                        priority=body.priority, cache_salt=body.cache_salt,
+                                                        timeout=state.settings.request_timeout))
     except BaseException:
         for stream in streams:
             await stream.aclose()

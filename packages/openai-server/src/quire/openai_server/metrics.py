@@ -21,6 +21,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                            30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -64,6 +65,12 @@ class ServerMetrics:
                                                TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("quire:request_generation_tokens",
                                                    "Generated tokens per request.", TOKEN_BUCKETS)
+        self.compile_seconds = histogram("quire:structured_output_compile_seconds",
+                                         "Time to compile a structured-output grammar (cache misses).",
+                                         COMPILE_BUCKETS)
+        self._structured = Counter("quire:structured_output_requests", "Finished requests with a "
+                                   "structured-output constraint, by grammar backend.",
+                                   ["model_name", "backend"], registry=registry)
         self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def record(self, stats: SchedulerStats | None, finished: list[RequestMetrics]) -> None:
@@ -78,6 +85,8 @@ class ServerMetrics:
                 if total > self._engine_totals[name]:
                     counter.inc(total - self._engine_totals[name])
                     self._engine_totals[name] = total
+            for seconds in stats.structured_output_compile_seconds:
+                self.compile_seconds.observe(seconds)
         for metrics in finished:
             self._record_request(metrics)
 
@@ -87,6 +96,8 @@ class ServerMetrics:
         self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.observe(metrics.num_generation_tokens)
         self._success.labels(self.model_name, metrics.finish_reason or "unknown").inc()
+        if metrics.structured_output_backend is not None:
+            self._structured.labels(self.model_name, metrics.structured_output_backend).inc()
         if metrics.time_to_first_token is not None:
             self.ttft.observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:

@@ -55,6 +55,14 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = None
     stream_interval: int | None = None
     request_id: str | None = None
+    # structured outputs (one per request; see structured_outputs.py)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -83,7 +91,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # None: open an assistant turn unless continue_final_message (both true is a 400)

@@ -32,6 +32,7 @@ from quire.openai_server.protocol import (
     Usage,
 )
 from quire.openai_server.settings import ServerSettings
+from quire.openai_server.structured_outputs import constraint_from_request
 
 MAX_OPENAI_TEMPERATURE = 2.0
 MAX_N = 128
@@ -72,9 +73,10 @@ def request_id(prefix: str, request: Request, body_request_id: str | None) -> st
 
 
 def build_sampling_params(state: ServerState, body, *, max_tokens: int | None, logprobs: int | None,
-                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
+                          prompt_logprobs: int | None, stream: bool) -> tuple[SamplingParams, str | None]:
     """The request's sampling fields, with unset ones taken from the model's generation config
-    (``max_tokens=None``: the rest of the context, resolved by the engine's input processor)."""
+    (``max_tokens=None``: the rest of the context, resolved by the engine's input processor), and the
+    field its structured-output constraint came from (None without one), for naming it in errors."""
     defaults = state.engine.model_config.sampling_defaults
     temperature = body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
     if temperature is not None and temperature > MAX_OPENAI_TEMPERATURE:
@@ -83,6 +85,7 @@ def build_sampling_params(state: ServerState, body, *, max_tokens: int | None, l
         raise ValidationError(f"n must be at most {MAX_N}, got {body.n}", param="n")
     if body.stream_options is not None and not stream:
         raise ValidationError("stream_options can only be set when stream is true", param="stream_options")
+    constraint = constraint_from_request(body)
     return SamplingParams(
         n=body.n,
         temperature=temperature,
@@ -109,7 +112,8 @@ def build_sampling_params(state: ServerState, body, *, max_tokens: int | None, l
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         stream_interval=body.stream_interval,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-    )
+        structured_outputs=None if constraint is None else constraint.params,
+    ), None if constraint is None else constraint.source
 
 
 def _value(requested, defaults: dict, name: str, fallback):

@@ -184,7 +184,7 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)  # let consumers run between chunks of a large step
                     await self._dispatch(engine_outputs[start:start + _OUTPUT_CHUNK])
-                self._record_stats()
+                self._record_stats(outputs.scheduler_stats)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - the engine is gone: tell every waiter
@@ -199,11 +199,13 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)
 
-    def _record_stats(self) -> None:
+    def _record_stats(self, stats: SchedulerStats | None) -> None:
+        """Hand the stat loggers this message's scheduler stats (None: it carried none) and the requests
+        finished since."""
         finished = self.output_processor.take_newly_finished()
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(self.scheduler_stats, finished)
+                stat_logger.record(stats, finished)
             except Exception:  # noqa: BLE001 - metrics must never take the server down
                 logger.exception("a stat logger failed")
 
