@@ -1,5 +1,10 @@
 """The xgrammar backend (the default): JSON schemas in strict mode (no properties or items beyond those a
-schema names, as OpenAI's strict mode), regexes, EBNF or Lark grammars, choices and structural tags."""
+schema names, as OpenAI's strict mode), regexes, EBNF or Lark grammars, choices and structural tags.
+
+NOTE: xgrammar 0.2.9 turns a string with ``minLength``/``maxLength`` (and no ``pattern``) into a rule that
+admits raw control characters, which no JSON parser accepts; such strings are given the equivalent
+``pattern`` (xgrammar's JSON-string regexes exclude control characters), see ``_fix_string_lengths``.
+"""
 
 from __future__ import annotations
 
@@ -81,7 +86,7 @@ class XGrammarBackend(StructuredOutputBackend):
     @staticmethod
     def _grammar(kind: str, spec: str, compact: bool) -> xgr.Grammar:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(spec, **_json_options(compact))
+            return xgr.Grammar.from_json_schema(_fix_string_lengths(spec), **_json_options(compact))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(_OBJECT_SCHEMA, strict_mode=False, **_whitespace(compact))
         if kind == "regex":
@@ -103,7 +108,7 @@ class XGrammarBackend(StructuredOutputBackend):
     def compile(self, kind: str, spec: str, compact: bool) -> CompiledGrammar:
         compiler = self.compiler
         if kind == "json":
-            compiled = compiler.compile_json_schema(spec, **_json_options(compact))
+            compiled = compiler.compile_json_schema(_fix_string_lengths(spec), **_json_options(compact))
         elif kind == "json_object":
             compiled = compiler.compile_json_schema(_OBJECT_SCHEMA, strict_mode=False, **_whitespace(compact))
         elif kind == "regex":
@@ -113,6 +118,42 @@ class XGrammarBackend(StructuredOutputBackend):
         else:
             compiled = compiler.compile_grammar(self._grammar(kind, spec, compact))
         return XGrammarCompiled(compiled)
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not subschemas
+
+
+def _fix_string_lengths(spec: str) -> str:
+    """Give every string subschema with length limits but no ``pattern`` or ``format`` the pattern
+    ``^.{min,max}$`` instead (same lengths; as a JSON-string regex it excludes control characters)."""
+    schema = json.loads(spec)
+    return json.dumps(_rewrite(schema), ensure_ascii=False) if _has_length_strings(schema) else spec
+
+
+def _is_length_string(node: dict) -> bool:
+    return (node.get("type") == "string" and ("minLength" in node or "maxLength" in node)
+            and "pattern" not in node and "format" not in node)
+
+
+def _has_length_strings(node: Any) -> bool:
+    if isinstance(node, dict):
+        return _is_length_string(node) or any(_has_length_strings(value) for key, value in node.items()
+                                              if key not in _DATA_KEYWORDS)
+    if isinstance(node, list):
+        return any(_has_length_strings(item) for item in node)
+    return False
+
+
+def _rewrite(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_rewrite(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: value if key in _DATA_KEYWORDS else _rewrite(value) for key, value in node.items()}
+    if _is_length_string(node):
+        low, high = int(node.pop("minLength", 0)), node.pop("maxLength", None)
+        node["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
+    return node
 
 
 def _whitespace(compact: bool) -> dict:
