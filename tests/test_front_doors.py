@@ -31,6 +31,8 @@ def other_value(field):
                "model": "/models/x", "tokenizer": "/tokenizers/x", "gpu_memory_utilization": 0.5}
     if field.name in samples:
         return samples[field.name]
+    if field.metadata["choices"]:
+        return next(choice for choice in field.metadata["choices"] if choice != field.default)
     kind = EngineArgs.field_types()[field.name]
     return (not field.default) if kind is bool else kind(7)
 

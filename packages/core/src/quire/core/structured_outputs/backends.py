@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from quire.core.lazy_registry import LazyRegistry
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Longest whitespace run allowed between JSON tokens (unless a request asks for none at all): enough for
 # indented output several levels deep, not enough for a model to fill its budget with blanks.

@@ -24,8 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from quire.core.structured_outputs.backends import (
     CompiledGrammar,
     Grammar,
@@ -93,6 +91,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids: list[int] | None = None  # the grammars' stop tokens: the requests' EOS ids
         self.reasoning_end = reasoning_end
+        import numpy as np
+
         self.bitmask = np.full((max_num_seqs, bitmask_words(vocab_size)), -1, dtype=np.int32)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._backends: dict[str, StructuredOutputBackend] = {}
@@ -162,7 +162,7 @@ class StructuredOutputManager:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def grammar_bitmask(self, requests) -> tuple[list[str], np.ndarray] | None:
+    def grammar_bitmask(self, requests) -> tuple[list[str], Any] | None:
         """Fill a bitmask row for each of these (sampling, constrained) requests whose constraint is on;
         return the request ids in row order and the filled rows (a view of the preallocated array)."""
         request_ids = []
