@@ -158,7 +158,7 @@ def _rewrite(node: Any) -> Any:
 
 def _whitespace(compact: bool) -> dict:
     if compact:
-        return {"any_whitespace": False}
+        return {"any_whitespace": False, "separators": (",", ":")}
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
