@@ -199,7 +199,7 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)
 
-    def _record_stats(self, stats: SchedulerStats | None) -> None:
+    def _record_stats(self, stats: SchedulerStats | None = None) -> None:
         """Hand the stat loggers this message's scheduler stats (None: it carried none) and the requests
         finished since."""
         finished = self.output_processor.take_newly_finished()
