@@ -236,3 +236,6 @@ class EngineConfig:
     # Structured outputs: the grammar library of requests that name none ("auto": xgrammar, and guidance
     # for what only guidance supports).
     structured_outputs_backend: str = "auto"
+    # Chat outputs: the tool-call parser (tool_choice "auto") and the reasoning parser, by name (None: none).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None

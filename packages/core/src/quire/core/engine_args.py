@@ -15,6 +15,8 @@ from typing import Any
 from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from quire.core.demo import demo_model_path
 from quire.core.errors import ConfigError
+from quire.core.parsers.reasoning import REASONING_PARSERS
+from quire.core.parsers.tool_calls import TOOL_PARSERS
 
 _SCHEDULER = SchedulerConfig()
 _CACHE = CacheConfig()
@@ -92,6 +94,13 @@ class EngineArgs:
         "auto", "Grammar library of structured outputs (JSON schema, regex, choice, grammar): auto takes "
                 "xgrammar, and guidance for what only guidance supports.",
         choices=("auto", "xgrammar", "guidance"))
+    tool_call_parser: str | None = option(
+        None, "How tool calls are read from chat outputs when tool_choice is auto (hermes: <tool_call>{json}"
+              "</tool_call>, llama3_json, mistral, pythonic); without one, tools need a named or required "
+              "tool_choice.", choices=tuple(TOOL_PARSERS.names()))
+    reasoning_parser: str | None = option(
+        None, "Splits a reasoning model's thinking (<think>...</think>) from its answer into reasoning and "
+              "content; constraints start after the thinking.", choices=tuple(REASONING_PARSERS.names()))
 
     @classmethod
     def field_types(cls) -> dict[str, Any]:
@@ -153,6 +162,8 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             stream_interval=self.stream_interval,
             structured_outputs_backend=self.structured_outputs_backend,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
         )
 
     def _validate(self) -> None:

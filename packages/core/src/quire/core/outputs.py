@@ -61,6 +61,11 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
+    # LLM.chat with a reasoning parser or tools: the text split into the answer outside tool calls, the
+    # thinking and the calls (``quire.core.parsers``); None where not parsed.
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ imports neither torch nor transformers; the tokenizer is handed in.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jinja2
@@ -29,7 +30,10 @@ class ChatPrompt:
 
     ``add_generation_prompt`` None means "open an assistant turn unless ``continue_final_message``",
     which leaves the last (assistant) message open for the model to continue; both true is an error.
-    ``chat_template_kwargs`` are extra variables for the template.
+    ``chat_template_kwargs`` are extra variables for the template. ``tools`` (OpenAI's function tool
+    definitions) go to the template's ``tools`` variable, as Hugging Face templates expect them; assistant
+    messages may carry ``tool_calls`` (their JSON ``arguments`` are handed to the template as objects) and
+    ``role: "tool"`` messages answer them (``tool_call_id``).
     """
 
     messages: Conversation
@@ -37,6 +41,7 @@ class ChatPrompt:
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 PromptType = str | list[int] | dict[str, Any] | ChatPrompt
@@ -108,7 +113,8 @@ class Renderer:
             text = tokenizer.apply_chat_template(
                 normalized, chat_template=chat.chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=chat.continue_final_message, **(chat.chat_template_kwargs or {}),
+                continue_final_message=chat.continue_final_message, tools=chat.tools,
+                **(chat.chat_template_kwargs or {}),
             )
         except jinja2.TemplateError as error:
             raise ValidationError(f"the chat template could not render these messages: {error}",
@@ -174,4 +180,23 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise ValidationError(f"{param}.content must be a string or a list of text parts",
                               param=f"{param}.content")
-    return {**message, "content": content}
+    normalized = {**message, "content": content}
+    if message.get("tool_calls"):
+        normalized["tool_calls"] = [_template_tool_call(f"{param}.tool_calls[{i}]", call)
+                                    for i, call in enumerate(message["tool_calls"])]
+    return normalized
+
+
+def _template_tool_call(param: str, call: Any) -> dict[str, Any]:
+    """A tool call as chat templates read it: ``function.arguments`` as an object, not JSON text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValidationError(f"{param} must be an object with function.name", param=param)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValidationError(f"{param}.function.arguments is not valid JSON",
+                                  param=f"{param}.function.arguments") from None
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -37,6 +37,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] = []
+    # With a structured-output constraint and a reasoning parser: the token ids of the parser's start and end
+    # tags (the constraint waits for the reasoning to end); None otherwise.
+    reasoning_tags: tuple[list[int], list[int]] | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

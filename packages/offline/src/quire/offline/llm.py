@@ -19,6 +19,10 @@ from quire.core.engine.protocol import SyncEngineClient
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
 from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.parsers.output import OutputParser
+from quire.core.parsers.reasoning import get_reasoning_parser_class
+from quire.core.parsers.tool_calls import get_tool_parser_class
+from quire.core.parsers.tool_choice import tool_request
 from quire.core.renderer import ChatPrompt, Conversation, PromptType
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,6 +41,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, multiprocess: bool | None = None,
                  **engine_options: Any):
         args = engine_args(model, engine_options)
+        self.engine_args = args
         self.llm_engine: SyncEngineClient = LLMEngine.from_engine_args(args, multiprocess=multiprocess)
         self._request_counter = itertools.count()
 
@@ -85,17 +90,56 @@ class LLM:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of messages) or to each of several.
 
         ``add_generation_prompt`` (default: unless ``continue_final_message``) opens an assistant turn;
         ``continue_final_message`` lets the model continue the last (assistant) message instead.
+        ``tools`` (OpenAI function tools) reach the chat template; ``tool_choice`` is ``auto`` (the default:
+        needs ``tool_call_parser``), ``none``, ``required`` or ``{"type": "function", "function": {"name":
+        ...}}`` (the last two constrain the output). With tools or a ``reasoning_parser`` each completion
+        carries ``content``, ``reasoning`` and ``tool_calls`` (``quire.core.parsers.tool_calls.ToolCall``).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [ChatPrompt(conversation, chat_template, add_generation_prompt, continue_final_message,
-                              chat_template_kwargs) for conversation in conversations]
-        return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
+        params = self._params_list(sampling_params, len(conversations))
+        tool_requests = [tool_request(conversation, tools, tool_choice, parallel_tool_calls,
+                                      auto_available=self.engine_args.tool_call_parser is not None)
+                         for conversation in conversations]
+        prompts = []
+        for index, (conversation, tool_req) in enumerate(zip(conversations, tool_requests)):
+            prompts.append(ChatPrompt(conversation, chat_template, add_generation_prompt, continue_final_message,
+                                      chat_template_kwargs, tools=None if tool_req is None else tool_req.tools))
+            constraint = None if tool_req is None else tool_req.constraint()
+            if constraint is not None:
+                if params[index].structured_outputs is not None:
+                    raise ValidationError(f"tool_choice {tool_req.choice} constrains the output already; it "
+                                          "cannot be combined with structured_outputs", param="tool_choice")
+                params[index] = msgspec.structs.replace(params[index], structured_outputs=constraint)
+        outputs = self._run(prompts, params, use_tqdm)
+        for output, tool_req in zip(outputs, tool_requests):
+            self._parse(output, tool_req)
+        return outputs
+
+    def _parse(self, output: RequestOutput, tools) -> None:
+        """Split each completion into content, reasoning and tool calls (when there is anything to split)."""
+        args = self.engine_args
+        tools = tools if tools is not None and tools.choice != "none" else None
+        if tools is None and args.reasoning_parser is None:
+            return
+        for completion in output.outputs:
+            reasoning = get_reasoning_parser_class(args.reasoning_parser)() if args.reasoning_parser else None
+            tool_parser = (get_tool_parser_class(args.tool_call_parser)()
+                           if tools is not None and tools.choice == "auto" else None)
+            parsed = OutputParser(reasoning, tool_parser, named_tool=tools.named if tools else None,
+                                  required=tools is not None and tools.choice == "required").parse(completion.text)
+            completion.content, completion.reasoning = parsed.content, parsed.reasoning
+            completion.tool_calls = parsed.tool_calls
+            if parsed.tool_calls and completion.finish_reason == "stop":
+                completion.finish_reason = "tool_calls"
 
     def _params_list(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from quire.core.errors import ValidationError
+from quire.core.parsers.output import OutputParser, ParsedDelta
+from quire.core.parsers.reasoning import get_reasoning_parser_class
+from quire.core.parsers.tool_calls import get_tool_parser_class
+from quire.core.parsers.tool_choice import ToolRequest, tool_request
 from quire.core.renderer import ChatPrompt
 from quire.openai_server.errors import stream_error_event
 from quire.openai_server.protocol import (
@@ -16,7 +21,9 @@ from quire.openai_server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    FunctionCall,
     TokenizeRequest,
+    ToolCallOut,
 )
 from quire.openai_server.serving import (
     SSE_DONE,
@@ -42,44 +49,130 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params, source = build_sampling_params(state, body, max_tokens=max_tokens, logprobs=num_logprobs,
                                            prompt_logprobs=body.prompt_logprobs, stream=body.stream)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    settings = state.settings
+    tools = tool_request(messages, body.tools, body.tool_choice, body.parallel_tool_calls,
+                         auto_available=settings.tool_call_parser is not None)
+    params, source = _with_tool_constraint(params, source, tools, settings)
     rid = request_id("chatcmpl", request, body.request_id)
     with naming_errors(source):
-        stream = await state.engine.add_request(rid, chat_prompt(state, body), params, priority=body.priority,
-                                                cache_salt=body.cache_salt, timeout=state.settings.request_timeout)
+        stream = await state.engine.add_request(rid, chat_prompt(state, body, tools), params,
+                                                priority=body.priority, cache_salt=body.cache_salt,
+                                                timeout=settings.request_timeout)
     num_prompt_tokens = len(stream.prompt_token_ids)
+    parsers = OutputParsers(settings, tools)
     if body.stream:
-        return StreamingResponse(_stream(state, body, rid, stream, num_prompt_tokens), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, body, rid, stream, num_prompt_tokens, parsers),
+                                 media_type="text/event-stream")
     output = await until_disconnect(request, _final(stream))
     if output is None:
         return None
-    choices = [ChatChoice(
-        index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        logprobs=chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0) if body.logprobs else None,
-    ) for c in sorted(output.outputs, key=lambda c: c.index)]
+    choices = []
+    for c in sorted(output.outputs, key=lambda c: c.index):
+        message, finish_reason = AssistantMessage(content=c.text), c.finish_reason
+        if parsers.enabled:
+            parsed = parsers.new().parse(c.text)
+            message = AssistantMessage(content=parsed.content, reasoning=parsed.reasoning,
+                                       reasoning_content=parsed.reasoning,
+                                       tool_calls=[ToolCallOut(id=call.id, function=FunctionCall(
+                                           name=call.name, arguments=call.arguments))
+                                                   for call in parsed.tool_calls] or None)
+            finish_reason = _finish_reason(finish_reason, bool(parsed.tool_calls))
+        choices.append(ChatChoice(
+            index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
+            logprobs=chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0) if body.logprobs else None))
     return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices,
                                   usage=usage([num_prompt_tokens], [output]),
                                   prompt_logprobs=prompt_logprobs(output.prompt_logprobs))
 
 
-def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> ChatPrompt:
-    """The request's messages for the engine's renderer, with the server's chat template (if any)."""
+def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                tools: ToolRequest | None = None) -> ChatPrompt:
+    """The request's messages for the engine's renderer, with the server's chat template (if any) and the
+    request's tools."""
     return ChatPrompt([m.model_dump(exclude_none=True) for m in body.messages], state.settings.chat_template,
-                      body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+                      body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                      tools=None if tools is None else tools.tools)
+
+
+class OutputParsers:
+    """Makes each completion's ``OutputParser`` (reasoning, then tool calls); ``enabled`` is False when the
+    server has no reasoning parser and the request no tool calls to read (the text goes out as is)."""
+
+    def __init__(self, settings, tools: ToolRequest | None):
+        self.settings = settings
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.enabled = settings.reasoning_parser is not None or self.tools is not None
+
+    def new(self) -> OutputParser:
+        settings, tools = self.settings, self.tools
+        reasoning = (get_reasoning_parser_class(settings.reasoning_parser)()
+                     if settings.reasoning_parser is not None else None)
+        if tools is None:
+            return OutputParser(reasoning)
+        tool_parser = get_tool_parser_class(settings.tool_call_parser)() if tools.choice == "auto" else None
+        return OutputParser(reasoning, tool_parser, named_tool=tools.named, required=tools.choice == "required")
+
+
+def _with_tool_constraint(params, source, tools: ToolRequest | None, settings):
+    """A named or required tool choice constrains the output (and cannot be combined with another
+    constraint); an auto choice whose parser reads special tokens keeps them in the text."""
+    if tools is None:
+        return params, source
+    constraint = tools.constraint()
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise ValidationError(f"tool_choice {tools.choice} constrains the output already; it cannot be "
+                                  f"combined with {source}", param="tool_choice")
+        return msgspec.structs.replace(params, structured_outputs=constraint), "tool_choice"
+    if tools.choice == "auto" and get_tool_parser_class(settings.tool_call_parser).needs_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
+    return params, source
+
+
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` when a completion that stopped by itself made calls (OpenAI's reason)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
         raise ValidationError(f"max_completion_tokens must be at least 1, got {body.max_completion_tokens}",
                               param="max_completion_tokens")
-    if body.tools:
-        raise ValidationError("tools are not supported by this server", param="tools", code="unsupported_value")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise ValidationError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValidationError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                                   param="top_logprobs")
+
+
+def _delta_message(parser: OutputParser, text: str, finished: bool) -> dict:
+    """The ``delta`` of one streamed chunk: content, reasoning and tool-call pieces (only what is there)."""
+    parsed = parser.feed(text) if text else ParsedDelta()
+    if finished:
+        last = parser.finish()
+        parsed.content += last.content
+        parsed.reasoning += last.reasoning
+        parsed.tool_calls += last.tool_calls
+    delta: dict = {}
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.reasoning:
+        delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        delta["tool_calls"] = [_tool_call_delta(piece) for piece in parsed.tool_calls]
+    return delta
+
+
+def _tool_call_delta(piece) -> dict:
+    function: dict = {"arguments": piece.arguments}
+    entry: dict = {"index": piece.index}
+    if piece.id is not None:
+        entry["id"], entry["type"] = piece.id, "function"
+        function["name"] = piece.name
+    entry["function"] = function
+    return entry
 
 
 async def _final(stream):
@@ -89,8 +182,10 @@ async def _final(stream):
     return final
 
 
-async def _stream(state, body, rid, stream, num_prompt_tokens):
+async def _stream(state, body, rid, stream, num_prompt_tokens, parsers: OutputParsers):
     created = int(time.time())
+    output_parsers: dict[int, OutputParser] = {}
+    called: set[int] = set()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     continuous = include_usage and body.stream_options.continuous_usage_stats
     started: set[int] = set()
@@ -115,9 +210,19 @@ async def _stream(state, body, rid, stream, num_prompt_tokens):
                 completion_tokens += len(completion.token_ids)
                 if not completion.text and not completion.token_ids and completion.finish_reason is None:
                     continue
-                choice = {"index": completion.index,
-                          "delta": {"content": completion.text} if completion.text else {},
-                          "logprobs": None, "finish_reason": completion.finish_reason}
+                finish_reason = completion.finish_reason
+                if parsers.enabled:
+                    parser = output_parsers.get(completion.index) or output_parsers.setdefault(
+                        completion.index, parsers.new())
+                    delta = _delta_message(parser, completion.text, finish_reason is not None)
+                    if delta.get("tool_calls"):
+                        called.add(completion.index)
+                    if not delta and finish_reason is None and not (body.logprobs and completion.logprobs):
+                        continue
+                    finish_reason = _finish_reason(finish_reason, completion.index in called)
+                else:
+                    delta = {"content": completion.text} if completion.text else {}
+                choice = {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
                 if completion.stop_reason is not None:
                     choice["stop_reason"] = completion.stop_reason
                 encode = sse

@@ -49,7 +49,8 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         host=args.host, port=args.port, api_keys=tuple(api_keys), allowed_origins=tuple(args.allowed_origins),
         chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, request_timeout=args.request_timeout,
-        enable_debug_routes=args.enable_debug_routes,
+        enable_debug_routes=args.enable_debug_routes, tool_call_parser=engine_args.tool_call_parser,
+        reasoning_parser=engine_args.reasoning_parser,
     )
     return engine_args, settings
 

@@ -23,3 +23,5 @@ class ServerSettings:
     log_level: str = "info"
     enable_debug_routes: bool = False
     version: str = "0.1.0"
+    tool_call_parser: str | None = None  # the engine option, read by the chat route
+    reasoning_parser: str | None = None

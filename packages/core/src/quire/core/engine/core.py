@@ -60,8 +60,8 @@ class EngineCore:
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
-            core_request.structured_output = self.structured_outputs.add_request(constraint,
-                                                                                 request.eos_token_ids)
+            core_request.structured_output = self.structured_outputs.add_request(
+                constraint, request.eos_token_ids, request.prompt_token_ids, request.reasoning_tags)
         self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -22,7 +22,7 @@ class FrontEnd:
         tokenizer = load_tokenizer(config.tokenizer)
         self.renderer = Renderer(tokenizer, config.model.vocab_size)
         self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
-                                              config.structured_outputs_backend)
+                                              config.structured_outputs_backend, config.reasoning_parser)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,

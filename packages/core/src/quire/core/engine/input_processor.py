@@ -10,6 +10,7 @@ import msgspec
 
 from quire.core.config import ModelConfig
 from quire.core.errors import ValidationError
+from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.renderer import PromptType, RenderedPrompt, Renderer
 from quire.core.sampling_params import SamplingParams
 from quire.core.structured_outputs.validation import StructuredOutputValidator
@@ -20,9 +21,16 @@ class InputProcessor:
     """Renders prompts (through the ``Renderer``) and checks them against the model's limits."""
 
     def __init__(self, model_config: ModelConfig, renderer: Renderer, max_model_len: int | None = None,
-                 max_logprobs: int = 20, structured_outputs_backend: str = "auto"):
+                 max_logprobs: int = 20, structured_outputs_backend: str = "auto",
+                 reasoning_parser: str | None = None):
         self.model_config = model_config
         self.structured_outputs = StructuredOutputValidator(structured_outputs_backend)
+        # With a reasoning parser, a constraint waits for the thinking to end: its tags as token ids.
+        self.reasoning_tags = None
+        if reasoning_parser is not None:
+            parser = get_reasoning_parser_class(reasoning_parser)
+            self.reasoning_tags = (renderer.tokenize(parser.start_tag, add_special_tokens=False),
+                                   renderer.tokenize(parser.end_tag, add_special_tokens=False))
         self.renderer = renderer
         self.max_model_len = max_model_len or model_config.max_model_len
         self.max_logprobs = max_logprobs
@@ -61,6 +69,7 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            reasoning_tags=self.reasoning_tags if params.structured_outputs is not None else None,
         )
         return request, rendered.text
 

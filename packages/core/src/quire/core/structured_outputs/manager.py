@@ -9,9 +9,11 @@ any sampling parameter. Sampled tokens advance the grammar (``accept``); a reque
 terminated is finished. A grammar that fell out of step with its request's tokens (a token it refused) is
 rebuilt from the request's output tokens.
 
-Reasoning models: a request whose ``reasoning_ended`` is False is not constrained (and its tokens are not
-fed to the grammar) until a ``reasoning_end`` hook says its reasoning is over; the tool-calling work
-supplies the hook. This module imports no torch; the backends do, on the worker thread.
+Reasoning models: a request that carries the token ids of its reasoning parser's tags (the front end adds
+them when a reasoning parser is configured) is not constrained, and its tokens are not fed to the grammar,
+until its reasoning is over: the end tag is in its output, or its prompt already closed the thinking (the
+end tag after the last start tag, as a template that turns thinking off writes it). This module imports
+no torch; the backends do, on the worker thread.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from quire.core.structured_outputs.backends import (
@@ -41,7 +43,8 @@ _DEFAULT_BACKEND = "xgrammar"
 class StructuredOutputRequest:
     """One request's constraint: its compile future, then its grammar."""
 
-    def __init__(self, key: tuple, future: concurrent.futures.Future, reasoning_ended: bool = True):
+    def __init__(self, key: tuple, future: concurrent.futures.Future, reasoning_ended: bool = True,
+                 reasoning_end_token_ids: tuple[int, ...] = ()):
         self.key = key
         self.future = future
         self.grammar: Grammar | None = None
@@ -49,6 +52,8 @@ class StructuredOutputRequest:
         self.num_accepted = 0  # output tokens fed to the grammar (after the reasoning, if any)
         self.reasoning_ended = reasoning_ended
         self.reasoning_offset = 0  # output tokens before the constraint started (the reasoning)
+        self.reasoning_end_token_ids = reasoning_end_token_ids
+        self._reasoning_checked = 0  # output tokens already searched for the end tag
 
     def is_ready(self) -> bool:
         """The grammar compiled (or failed: then ``error`` says why); never blocks."""
@@ -65,6 +70,14 @@ class StructuredOutputRequest:
     @property
     def backend(self) -> str:
         return self.key[0]
+
+    def reasoning_ends_in(self, output_token_ids: list[int]) -> bool:
+        """Whether the end tag has appeared in the output (only the tokens new since the last call are
+        searched, with the tag's length of overlap)."""
+        end_ids = self.reasoning_end_token_ids
+        start = max(0, self._reasoning_checked - len(end_ids) + 1)
+        self._reasoning_checked = len(output_token_ids)
+        return bool(end_ids) and _find_last(output_token_ids[start:], end_ids) >= 0
 
     @property
     def is_active(self) -> bool:
@@ -85,12 +98,10 @@ class StructuredOutputRequest:
 class StructuredOutputManager:
     """Compiles, caches and steps the grammars of one engine core's requests."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, max_num_seqs: int,
-                 reasoning_end: Callable[[list[int]], bool] | None = None):
+    def __init__(self, tokenizer_path: str, vocab_size: int, max_num_seqs: int):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids: list[int] | None = None  # the grammars' stop tokens: the requests' EOS ids
-        self.reasoning_end = reasoning_end
         import numpy as np
 
         self.bitmask = np.full((max_num_seqs, bitmask_words(vocab_size)), -1, dtype=np.int32)
@@ -105,10 +116,13 @@ class StructuredOutputManager:
 
     # -- requests in ---------------------------------------------------------------------------
 
-    def add_request(self, params, eos_token_ids: Sequence[int]) -> StructuredOutputRequest:
+    def add_request(self, params, eos_token_ids: Sequence[int], prompt_token_ids: Sequence[int] = (),
+                    reasoning_tags: tuple[Sequence[int], Sequence[int]] | None = None) -> StructuredOutputRequest:
         """Start compiling (or reuse) the grammar of a request's ``StructuredOutputsParams``.
 
-        ``eos_token_ids`` (the same for every request of an engine: the front end's) end a grammar."""
+        ``eos_token_ids`` (the same for every request of an engine: the front end's) end a grammar.
+        ``reasoning_tags``: the token ids of the reasoning parser's start and end tags, when the constraint
+        must wait for the reasoning to end."""
         if self.eos_token_ids is None:
             self.eos_token_ids = list(eos_token_ids)
         key = (params.backend or _DEFAULT_BACKEND, params.kind, params.spec, params.disable_any_whitespace)
@@ -121,7 +135,11 @@ class StructuredOutputManager:
             self._cache[key] = future
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return StructuredOutputRequest(key, future, reasoning_ended=self.reasoning_end is None)
+        if reasoning_tags is None:
+            return StructuredOutputRequest(key, future)
+        start_ids, end_ids = tuple(reasoning_tags[0]), tuple(reasoning_tags[1])
+        closed = _closed_in_prompt(list(prompt_token_ids), start_ids, end_ids)
+        return StructuredOutputRequest(key, future, reasoning_ended=closed, reasoning_end_token_ids=end_ids)
 
     def _compile(self, key: tuple) -> CompiledGrammar:
         backend_name, kind, spec, compact = key
@@ -182,7 +200,7 @@ class StructuredOutputManager:
         if structured.grammar is None:
             return False
         if not structured.reasoning_ended:
-            if not self.reasoning_end(request.output_token_ids):
+            if not structured.reasoning_ends_in(request.output_token_ids):
                 return False
             structured.reasoning_ended = True
             structured.reasoning_offset = request.num_output_tokens
@@ -200,3 +218,18 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _find_last(token_ids: list[int], pattern: tuple[int, ...]) -> int:
+    """Index of the last occurrence of ``pattern`` in ``token_ids`` (-1: none)."""
+    size = len(pattern)
+    for start in range(len(token_ids) - size, -1, -1):
+        if tuple(token_ids[start:start + size]) == pattern:
+            return start
+    return -1
+
+
+def _closed_in_prompt(prompt: list[int], start_ids: tuple[int, ...], end_ids: tuple[int, ...]) -> bool:
+    """The prompt opened the thinking and closed it again (a template with thinking turned off)."""
+    start = _find_last(prompt, start_ids) if start_ids else -1
+    return start >= 0 and _find_last(prompt[start:], end_ids) >= 0
