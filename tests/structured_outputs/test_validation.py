@@ -6,17 +6,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from quire.core.engine.async_llm import AsyncLLM
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
 from quire.core.sampling_params import StructuredOutputsParams
 from quire.core.structured_outputs import backends
 from quire.core.structured_outputs.backends import StructuredOutputBackend
 from quire.core.structured_outputs.validation import StructuredOutputValidator
-from quire.openai_server.app import build_app
 from quire.openai_server.settings import ServerSettings
+from tests.in_process_app import counting_app
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -60,19 +58,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def app_and_calls():
-    engine = AsyncLLM(EngineArgs(dtype="float32").create_engine_config())
-    calls = []
-    add_request = engine.engine_core.add_request_async
-
-    async def counting_add_request(request):
-        calls.append(request)
-        return await add_request(request)
-
-    engine.engine_core.add_request_async = counting_add_request
-    app = build_app(engine, ServerSettings(served_model_names=["quire-demo"]))
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client, calls
-    engine.shutdown()
+    settings = ServerSettings(served_model_names=["quire-demo"])
+    with counting_app(EngineArgs(dtype="float32"), settings) as client_and_calls:
+        yield client_and_calls
 
 
 def test_there_are_at_least_12_refusals():

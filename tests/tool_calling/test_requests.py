@@ -5,16 +5,14 @@ with the hermes tool parser."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
 from quire.core.demo import demo_model_path
-from quire.core.engine.async_llm import AsyncLLM
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
 from quire.core.renderer import ChatPrompt, Renderer
 from quire.core.tokenizer import load_tokenizer
-from quire.openai_server.app import build_app
 from quire.openai_server.settings import ServerSettings
+from tests.in_process_app import counting_app
 
 CHAT = "/v1/chat/completions"
 USER = {"role": "user", "content": "What does os.getcwd do?"}
@@ -50,19 +48,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def app_and_calls():
-    engine = AsyncLLM(EngineArgs(dtype="float32", tool_call_parser="hermes").create_engine_config())
-    calls = []
-    add_request = engine.engine_core.add_request_async
-
-    async def counting_add_request(request):
-        calls.append(request)
-        return await add_request(request)
-
-    engine.engine_core.add_request_async = counting_add_request
     settings = ServerSettings(served_model_names=["quire-demo"], tool_call_parser="hermes")
-    with TestClient(build_app(engine, settings), raise_server_exceptions=False) as client:
-        yield client, calls
-    engine.shutdown()
+    with counting_app(EngineArgs(dtype="float32", tool_call_parser="hermes"), settings) as client_and_calls:
+        yield client_and_calls
 
 
 def test_there_are_at_least_10_refusals():
