@@ -4,17 +4,18 @@ constrained output of a named or ``required`` tool choice (``tool_choice.ToolReq
 
 ``parse(text)`` takes a whole output; ``feed(delta)`` / ``finish()`` take it streamed, in any chunking, and
 add up to the same thing. A named call's arguments stream as the model writes them (its first delta carries
-the id and the name); the calls of a ``required`` choice go out whole once the output is complete (the
-constraint's JSON array is parsed at the end). Tool calls are looked for in the answer, never in the
-reasoning.
+the id and the name); so do the calls of a ``required`` choice, read from the constraint's JSON array of
+``{"name", "parameters"}`` objects by ``RequiredCallsParser``. Tool calls are looked for in the answer,
+never in the reasoning.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
+from quire.core.parsers.json_scan import JSON_WHITESPACE
 from quire.core.parsers.reasoning import ReasoningParser
+from quire.core.parsers.streaming import StepOutput, StreamingToolParser
 from quire.core.parsers.tool_calls import SafeToolParser, ToolCall, ToolCallDelta, ToolParser, new_call_id
 
 
@@ -42,10 +43,10 @@ class OutputParser:
     def __init__(self, reasoning_parser: ReasoningParser | None = None, tool_parser: ToolParser | None = None,
                  named_tool: str | None = None, required: bool = False):
         self.reasoning_parser = reasoning_parser
+        if required:
+            tool_parser = RequiredCallsParser()
         self.tool_parser = SafeToolParser(tool_parser) if tool_parser is not None else None
         self.named_tool = named_tool
-        self.required = required
-        self._answer: list[str] = []  # the answer text so far (named, required)
         self._call_id: str | None = None
 
     # -- whole outputs ----------------------------------------------------------------------------
@@ -58,9 +59,6 @@ class OutputParser:
             return ParsedOutput(content, reasoning, extracted.tool_calls)
         if self.named_tool is not None:
             return ParsedOutput(None, reasoning, [ToolCall(self.named_tool, answer, new_call_id())])
-        if self.required:
-            calls = _required_calls(answer)
-            return ParsedOutput(None if calls else answer, reasoning, calls or [])
         return ParsedOutput(answer, reasoning)
 
     # -- streamed outputs ---------------------------------------------------------------------------
@@ -85,14 +83,6 @@ class OutputParser:
             last = self.tool_parser.finish()
             delta.content += last.content
             delta.tool_calls += last.tool_calls
-        elif self.required:
-            answer = "".join(self._answer)
-            calls = _required_calls(answer)
-            if calls is None:
-                delta.content += answer
-            else:
-                delta.tool_calls += [ToolCallDelta(i, call.id, call.name, call.arguments)
-                                     for i, call in enumerate(calls)]
         return delta
 
     def _answer_delta(self, text: str) -> ParsedDelta:
@@ -106,20 +96,54 @@ class OutputParser:
                 self._call_id = new_call_id()
                 return ParsedDelta(tool_calls=[ToolCallDelta(0, self._call_id, self.named_tool, text)])
             return ParsedDelta(tool_calls=[ToolCallDelta(0, arguments=text)])
-        if self.required:
-            self._answer.append(text)
-            return ParsedDelta()
         return ParsedDelta(content=text)
 
 
-def _required_calls(answer: str) -> list[ToolCall] | None:
-    """The calls of a ``required`` choice's output (a JSON array of ``{"name", "parameters"}``); None when
-    the output is not one (cut short by ``max_tokens``)."""
-    try:
-        items = json.loads(answer)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
-        return None
-    return [ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False), new_call_id())
-            for item in items]
+class RequiredCallsParser(StreamingToolParser):
+    """The output of a ``required`` tool choice: a JSON array of ``{"name": ..., "parameters": {...}}``
+    objects (the constraint guarantees the shape). Each call streams as it is written (name first, then
+    its parameters as the arguments); the array's brackets, commas and whitespace belong to no field.
+    Anything else (only possible without the constraint) is content."""
+
+    name = "required"
+
+    def __init__(self):
+        super().__init__(start=self._before_array)
+
+    def _before_array(self, text: str, position: int, out: StepOutput) -> tuple[str, int]:
+        while position < len(text) and text[position] in JSON_WHITESPACE:
+            position += 1
+        if position == len(text):
+            return text, position
+        if text[position] != "[":
+            return self._to_content(text[position:])
+        self._state = self._between_calls
+        return text, position + 1
+
+    def _between_calls(self, text: str, position: int, out: StepOutput) -> tuple[str, int]:
+        while position < len(text):
+            char = text[position]
+            if char == "{":
+                self._begin_call(self._read_call)
+                return text, position
+            if char == "]":
+                self._state = self._after_array
+                return text, position + 1
+            if char not in JSON_WHITESPACE and char != ",":
+                return self._to_content(text[position:])
+            position += 1
+        return text, position
+
+    def _read_call(self, text: str, position: int, out: StepOutput) -> tuple[str, int]:
+        position, is_malformed = self._feed_call(text, position, out)
+        if is_malformed:
+            return self._to_content(self._pending + text[position:])
+        if self._call.is_done:
+            self._state = self._between_calls
+        return text, position
+
+    def _after_array(self, text: str, position: int, out: StepOutput) -> tuple[str, int]:
+        rest = text[position:]
+        if rest.strip(JSON_WHITESPACE):
+            return self._to_content(rest)
+        return "", 0
