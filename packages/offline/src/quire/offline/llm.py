@@ -114,6 +114,9 @@ class LLM:
             prompts.append(ChatPrompt(conversation, chat_template, add_generation_prompt, continue_final_message,
                                       chat_template_kwargs, tools=None if tool_req is None else tool_req.tools))
             constraint = None if tool_req is None else tool_req.constraint()
+            if (tool_req is not None and tool_req.choice == "auto"
+                    and get_tool_parser_class(self.engine_args.tool_call_parser).needs_special_tokens):
+                params[index] = msgspec.structs.replace(params[index], skip_special_tokens=False)
             if constraint is not None:
                 if params[index].structured_outputs is not None:
                     raise ValidationError(f"tool_choice {tool_req.choice} constrains the output already; it "
