@@ -1,4 +1,5 @@
-"""quire-demo, the embedded model: loadable by transformers, equal to it, trained, chat-capable."""
+"""quire-demo, the embedded model: loadable by transformers, equal to it, trained, chat-capable, and able to
+call tools (held-out requests, and examples/tool_calling.py's agent loop against the real server)."""
 
 import importlib.util
 import json
@@ -17,6 +18,7 @@ from quire.offline import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 HELDOUT_QUESTIONS = ROOT / "tests/data/quire_demo_heldout_chat.json"
+HELDOUT_TOOL_REQUESTS = ROOT / "tests/data/quire_demo_heldout_tools.json"
 PROMPTS = [
     "The json module", "Return the", "def", "Module os.path\n\n", "This function returns a new",
     "<|im_start|>user\nWhat does `math.sqrt` do?<|im_end|>\n<|im_start|>assistant\n",
@@ -62,10 +64,15 @@ def test_it_learned_the_chat_format(demo_float32):
     assert ended >= 40, f"only {ended} of 50 held-out chat answers ended with <|im_end|>"
 
 
+def load_script(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_held_out_perplexity_is_far_below_the_vocabulary_size():
-    spec = importlib.util.spec_from_file_location("train_demo_model", ROOT / "tools/train_demo_model.py")
-    trainer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trainer)
+    trainer = load_script("train_demo_model", ROOT / "tools/train_demo_model.py")
     documents, _ = trainer.stdlib_items()
     heldout = [text for key, text in documents if trainer.is_held_out(key)]
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
@@ -76,3 +83,45 @@ def test_held_out_perplexity_is_far_below_the_vocabulary_size():
     assert math.exp(loss) < vocab_size / 50
     card = (demo_model_path() / "README.md").read_text()
     assert "held-out perplexity" in card and "psf-2.0" in card
+
+
+def parses_as_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+def test_it_calls_the_right_tool_on_held_out_requests():
+    heldout = json.loads(HELDOUT_TOOL_REQUESTS.read_text())
+    requests = heldout["requests"]
+    assert len(requests) == 30
+    llm = LLM(dtype="float32", tool_call_parser="hermes")
+    outputs = llm.chat([r["messages"] for r in requests], SamplingParams(temperature=0, max_tokens=64),
+                       tools=heldout["tools"], use_tqdm=False)
+    llm.shutdown()
+    right = [any(call.name == request["tool"] and parses_as_object(call.arguments)
+                 for call in output.outputs[0].tool_calls)
+             for request, output in zip(requests, outputs)]
+    missed = [r["messages"][-1]["content"] for r, ok in zip(requests, right) if not ok]
+    assert sum(right) >= 24, f"only {sum(right)} of 30 held-out requests called the right tool: missed {missed}"
+
+
+def test_the_tool_calling_example_completes_a_round_trip():
+    from openai import OpenAI
+
+    from tests.servers import ServerProcess
+
+    example = load_script("tool_calling_example", ROOT / "examples/tool_calling.py")
+    assert example.TOOLS == json.loads(HELDOUT_TOOL_REQUESTS.read_text())["tools"], "the example offers other tools"
+    server = ServerProcess("--dtype", "float32", "--tool-call-parser", "hermes")
+    try:
+        client = OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+        run = example.run_agent(client, "What does os.path.join do?", max_rounds=3)
+    finally:
+        server.stop()
+    roles = [message["role"] for message in run.messages]
+    assert roles[:3] == ["user", "assistant", "tool"], run.messages
+    assert run.messages[1]["tool_calls"][0]["function"]["name"] in example.FUNCTIONS
+    assert run.messages[2]["tool_call_id"] == run.messages[1]["tool_calls"][0]["id"]
+    assert run.finish_reason == "stop" and run.answer, run.messages
