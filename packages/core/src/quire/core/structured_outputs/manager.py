@@ -67,10 +67,6 @@ class StructuredOutputRequest:
             self.error = f"the structured-output constraint failed to compile: {error}"
         return True
 
-    @property
-    def backend(self) -> str:
-        return self.key[0]
-
     def reasoning_ends_in(self, output_token_ids: list[int]) -> bool:
         """Whether the end tag has appeared in the output (only the tokens new since the last call are
         searched, with the tag's length of overlap)."""
@@ -112,7 +108,6 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the backends and the tokenizer, built on the compile thread
         self._compile_seconds: list[float] = []  # compiles finished since the last take_compile_seconds
         self.num_compiled = 0
-        self.num_cache_hits = 0
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -129,7 +124,6 @@ class StructuredOutputManager:
         future = self._cache.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
-            self.num_cache_hits += 1
         else:
             future = self._pool.submit(self._compile, key)
             self._cache[key] = future
