@@ -14,6 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Most tests run the engine core in-process (starting a process per LLM would add seconds each);
 # tests/core/engine_process/ exercises the process boundary explicitly (multiprocess=True).
 os.environ.setdefault("QUIRE_MULTIPROCESS_ENGINE", "0")
+# Tests that name no model run quire-demo (5.8M parameters) even where SmolLM2-135M-Instruct, the default
+# when installed, is present; tests/core/test_default_model.py checks the real default without this.
+os.environ.setdefault("QUIRE_DEFAULT_MODEL", "quire-demo")
+# Quire's cache (tokenizers converted from GGUF files) lives in a folder of this session's, not in ~/.cache.
+if "QUIRE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["QUIRE_CACHE_DIR"] = tempfile.mkdtemp(prefix="quire-test-cache-")
 # Without an NVIDIA GPU, Triton kernels run in Triton's interpreter on CPU tensors (it must be on before
 # any kernel module is imported); benchmarks/gpu_check.sh runs the same tests compiled on a GPU.
 if not os.path.exists("/dev/nvidiactl"):

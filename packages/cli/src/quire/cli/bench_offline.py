@@ -30,9 +30,9 @@ def make_requests(num_prompts: int, input_len: int, output_len: int, range_ratio
 def _model_path(engine_args) -> str:
     if engine_args.model is not None:
         return engine_args.model
-    from quire.core.demo import demo_model_path
+    from quire.core.demo import default_model
 
-    return str(demo_model_path())
+    return str(default_model().path)
 
 
 def _llm(engine_args):

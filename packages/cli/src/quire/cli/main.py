@@ -63,7 +63,8 @@ def complete(
 
 
 ModelTag = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False,
-                                                   help="Checkpoint folder (same as --model; default: quire-demo).")]
+                                                   help="Checkpoint folder or GGUF file (same as --model; default: "
+                                                        "SmolLM2-135M-Instruct if installed, else quire-demo).")]
 
 
 @app.command()

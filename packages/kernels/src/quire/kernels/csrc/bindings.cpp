@@ -16,5 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, double, double>())
       .def("forward", &quire::DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &quire::DecodeStack::num_layers);
+  m.def("quant_linear", &quant_linear, "x @ w.T + bias, w in a GGUF block format or INT8, accumulated in float32");
+  m.def("quant_dequantize", &quant_dequantize, "float32 rows of a quantized weight");
+  m.def("quant_isa", &quant_isa, "the instruction set the quantized-weight kernels use for a request");
   m.def("linear_bf16_vectorized", &linear_bf16_vectorized, "whether linear_bf16 was built with AVX2 and FMA");
 }

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -14,3 +15,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool linear_bf16_vectorized();
+// Quantized weights (quant_linear.cpp): data/scale/qtype as quire.kernels.quant.QuantizedWeight holds them;
+// isa "" picks the widest instruction set the CPU has, "avx512", "avx2" or "scalar" forces one.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scale,
+                           const std::string& qtype, c10::optional<torch::Tensor> bias, const std::string& isa);
+torch::Tensor quant_dequantize(torch::Tensor data, c10::optional<torch::Tensor> scale, const std::string& qtype,
+                               c10::optional<torch::Tensor> rows, const std::string& isa);
+std::string quant_isa(const std::string& requested);
