@@ -14,7 +14,9 @@ Sections (``--sections``, all by default):
   checkpoint), KV-cache bytes per token and capacity.
 
 All tables print as Markdown (docs/performance.md holds the last run). transformers' throughput counts
-only the output tokens the requests asked for: its padded batch runs to the longest output.
+only the output tokens the requests asked for: its padded batch runs to the longest output. Wherever
+transformers is the baseline it runs at bfloat16 and at float32 (Quire at bfloat16): on AVX2 machines
+without bfloat16 instructions float32 is transformers' faster dtype, so every ratio has the stronger baseline.
 
     python benchmarks/cpu_performance.py [--sections throughput,decode] [--cache-dir DIR]
 """
@@ -94,11 +96,11 @@ def quire_throughput(path, requests, repeats=2, max_num_seqs=None) -> tuple[floa
     return min(runs, key=lambda run: run[0])
 
 
-def hf_generate_batch(path, requests) -> float:
+def hf_generate_batch(path, requests, dtype: str = "bfloat16") -> float:
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     config = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None,
                               pad_token_id=0)
     batching = ContinuousBatchingConfig(num_blocks=512, page_size=128, max_batch_tokens=2048)
@@ -133,14 +135,16 @@ def section_throughput(tiny: Path, small: Path) -> None:
     for name, path, requests in cases:
         tokens = sum(n for _, n in requests)
         quire_time, breakdown = quire_throughput(path, requests)
-        generate_time = hf_throughput(str(path), requests, "bfloat16", len(requests))
-        batch_time = hf_generate_batch(str(path), requests)
-        rows = [["Quire", quire_time, tokens / quire_time, generate_time / quire_time, batch_time / quire_time],
-                ["transformers generate (padded)", generate_time, tokens / generate_time, 1.0,
-                 batch_time / generate_time],
-                ["transformers generate_batch", batch_time, tokens / batch_time, generate_time / batch_time, 1.0]]
-        table(f"Offline throughput, {name} checkpoint, {len(requests)} requests, bfloat16",
-              ["engine", "seconds", "output tok/s", "x generate", "x generate_batch"], rows)
+        baselines = {}
+        for dtype in ("bfloat16", "float32"):
+            baselines[f"generate {dtype}"] = hf_throughput(str(path), requests, dtype, len(requests))
+            baselines[f"generate_batch {dtype}"] = hf_generate_batch(str(path), requests, dtype)
+        times = {"Quire bfloat16": quire_time, **{f"transformers {baseline}": seconds
+                                                  for baseline, seconds in baselines.items()}}
+        rows = [[engine, seconds, tokens / seconds, *(baseline / seconds for baseline in baselines.values())]
+                for engine, seconds in times.items()]
+        table(f"Offline throughput, {name} checkpoint, {len(requests)} requests (generate: padded)",
+              ["engine", "seconds", "output tok/s", *(f"x {baseline}" for baseline in baselines)], rows)
         table(f"Quire per-step breakdown, {name} checkpoint ({breakdown['num_steps']} steps)",
               ["phase", "ms per step", "% of engine step"], breakdown_rows(breakdown))
 
@@ -163,8 +167,34 @@ def section_decode(small: Path, repeats: int = 3) -> None:
         times = out.metrics.token_times
         quire_rates.append((len(times) - 1) / (times[-1] - times[0]))
     llm.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(small, dtype=torch.bfloat16)
-    ids = torch.tensor([prompt])
+    hf_rates, weight_bytes = {}, {}
+    for dtype in ("bfloat16", "float32"):
+        model = AutoModelForCausalLM.from_pretrained(small, dtype=getattr(torch, dtype))
+        hf_rates[dtype] = hf_decode_rates(model, torch.tensor([prompt]), new_tokens, repeats)
+        weight_bytes[dtype] = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
+    bandwidth = stream_bandwidth()
+    engines = {"Quire bfloat16": (quire_rates, weight_bytes["bfloat16"]),
+               **{f"transformers generate {dtype}": (rates, weight_bytes[dtype]) for dtype, rates in hf_rates.items()}}
+    hf_medians = {dtype: statistics.median(rates) for dtype, rates in hf_rates.items()}
+    rows = []
+    for engine, (rates, num_bytes) in engines.items():
+        rate = statistics.median(rates)
+        rows.append([engine, rate, *(rate / hf_median for hf_median in hf_medians.values()),
+                     rate * num_bytes / bandwidth])
+    table(f"Batch-1 decode, small checkpoint (median of {repeats} runs)",
+          ["engine", "tokens/s", *(f"x transformers {dtype}" for dtype in hf_medians),
+           "fraction of bandwidth bound"], rows)
+    print("\nruns (tokens/s): " + "; ".join(f"{engine} {', '.join(f'{r:.2f}' for r in rates)}"
+                                             for engine, (rates, _) in engines.items()))
+    print(f"bandwidth bound: {bandwidth / 1e9:.1f} GB/s measured (sum over a 1 GiB tensor) / "
+          f"{weight_bytes['bfloat16'] / 1e6:.0f} MB of weights read per token in bfloat16 = "
+          f"{bandwidth / weight_bytes['bfloat16']:.1f} tokens/s (float32: twice the bytes, half the bound)")
+
+
+def hf_decode_rates(model, ids, new_tokens: int, repeats: int) -> list[float]:
+    """transformers' batch-1 decode tokens/s, ``repeats`` times: a one-token generate (the prefill) is
+    subtracted from a ``new_tokens`` one."""
+    import torch
 
     def hf_time(n):
         start = time.perf_counter()
@@ -173,20 +203,7 @@ def section_decode(small: Path, repeats: int = 3) -> None:
         return time.perf_counter() - start
 
     hf_time(2)
-    # decode only: the prefill (a one-token generate) is subtracted
-    hf_rates = [(new_tokens - 1) / (hf_time(new_tokens) - hf_time(1)) for _ in range(repeats)]
-    quire_rate, hf_rate = statistics.median(quire_rates), statistics.median(hf_rates)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" not in n)
-    bandwidth = stream_bandwidth()
-    bound = bandwidth / weight_bytes
-    table(f"Batch-1 decode, small checkpoint, bfloat16 (median of {repeats} runs)",
-          ["engine", "tokens/s", "x transformers", "fraction of bandwidth bound"],
-          [["Quire", quire_rate, quire_rate / hf_rate, quire_rate / bound],
-           ["transformers generate", hf_rate, 1.0, hf_rate / bound]])
-    print(f"\nruns (tokens/s): Quire {', '.join(f'{r:.2f}' for r in quire_rates)}; "
-          f"transformers {', '.join(f'{r:.2f}' for r in hf_rates)}")
-    print(f"bandwidth bound: {bandwidth / 1e9:.1f} GB/s measured (sum over a 1 GiB tensor) / "
-          f"{weight_bytes / 1e6:.0f} MB of weights read per token = {bound:.1f} tokens/s")
+    return [(new_tokens - 1) / (hf_time(new_tokens) - hf_time(1)) for _ in range(repeats)]
 
 
 def stream_bandwidth() -> float:
@@ -210,20 +227,25 @@ def section_ttft(small: Path) -> None:
 
     rng = random.Random(1)
     llm = quire_llm(small, max_model_len=8192, enable_prefix_caching=False)
-    model = AutoModelForCausalLM.from_pretrained(small, dtype=torch.bfloat16)
+    models = {dtype: AutoModelForCausalLM.from_pretrained(small, dtype=getattr(torch, dtype))
+              for dtype in ("bfloat16", "float32")}
     rows = []
     for length in (128, 256, 512, 1024, 2048, 4096):
         prompt = [rng.randrange(3, 7000) for _ in range(length)]
         llm.generate([prompt[:8]], SamplingParams(max_tokens=1), use_tqdm=False)
         quire = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics.time_to_first_token
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)
-        hf = time.perf_counter() - start
-        rows.append([length, quire * 1000, hf * 1000, hf / quire, length / quire])
+        hf = {}
+        for dtype, model in models.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)
+            hf[dtype] = time.perf_counter() - start
+        rows.append([length, quire * 1000, hf["bfloat16"] * 1000, hf["bfloat16"] / quire, hf["float32"] * 1000,
+                     hf["float32"] / quire, length / quire])
     llm.shutdown()
-    table("Time to first token, small checkpoint, bfloat16",
-          ["prompt tokens", "Quire ms", "transformers ms", "speed-up", "Quire prompt tok/s"], rows)
+    table("Time to first token, small checkpoint, Quire bfloat16",
+          ["prompt tokens", "Quire ms", "transformers bfloat16 ms", "speed-up", "transformers float32 ms",
+           "speed-up", "Quire prompt tok/s"], rows)
 
 
 def section_serving(tiny: Path, small: Path, checkpoints=("small", "tiny")) -> None:

@@ -1,7 +1,8 @@
 """Quire's Triton kernels: the GPU path of every op in ``quire.kernels``.
 
-Modules: ``elementwise`` (RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write)
-and ``attention`` (paged attention for decodes and for prompt chunks over a cached prefix). Each kernel
+Modules: ``elementwise`` (RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write),
+``attention`` (paged attention for decodes and for prompt chunks over a cached prefix) and ``quant_linear``
+(the dequantize-matmul of quantized weights). Each kernel
 has one launcher, checked against the PyTorch reference of the same op.
 
 The public functions of ``quire.kernels`` call these launchers only for CUDA tensors. A launcher given CPU
