@@ -51,7 +51,8 @@ def main() -> None:
         llm.shutdown()
     reference = outputs["bfloat16", None]
     print("\n### `--quantization int8`, small checkpoint (batch-1 decode: median of 3 runs of 128 tokens)\n")
-    print("| weights | decode tokens/s | x bfloat16 | greedy agreement with bfloat16 (prefix) | same token, position by position |")
+    print("| weights | decode tokens/s | x bfloat16 | greedy agreement with bfloat16 (prefix) "
+          "| same token, position by position |")
     print("|---|---|---|---|---|")
     base = statistics.median(rates["bfloat16", None])
     for key in RUNS:
