@@ -266,8 +266,9 @@ def llama_cpp_worker(folder: str) -> None:
 
 class LlamaCppContext:
     """A llama.cpp context (KV cache) for up to ``num_sequences`` sequences, fed batches of
-    ``(token, position, sequence, wants_logits)`` and read greedily. One llama_decode call per batch of at
-    most ``BATCH_SIZE`` tokens, as llama.cpp's own server and batched bench do."""
+    ``(token, position, sequence, wants_logits)`` and read greedily: one llama_decode call per batch of at
+    most ``BATCH_SIZE`` tokens. Everything else is llama.cpp's default (flash attention "auto", an f16 KV
+    cache, a KV buffer per sequence: ``kv_unified`` off, as llama.cpp advises for unrelated sequences)."""
 
     def __init__(self, llama_cpp, model, threads: int, num_sequences: int, tokens_per_sequence: int):
         import numpy as np
@@ -285,7 +286,8 @@ class LlamaCppContext:
     def describe(self) -> str:
         p = self.params
         return (f"n_ctx {p.n_ctx}, n_batch {p.n_batch}, n_ubatch {p.n_ubatch}, n_seq_max {p.n_seq_max}, "
-                f"kv_unified {p.kv_unified}, flash_attn_type {p.flash_attn_type}, type_k {p.type_k}")
+                f"kv_unified {p.kv_unified}, flash_attn_type {p.flash_attn_type} (-1: auto), "
+                f"type_k {p.type_k} and type_v {p.type_v} (1: f16)")
 
     def decode(self, entries) -> list[int]:
         """One llama_decode call; the greedy next token of every entry that wants logits, in order."""
@@ -408,10 +410,10 @@ def main() -> None:
     args = parse_args()
     if args.llama_cpp_worker:
         return llama_cpp_worker(args.llama_cpp_worker)
+    path = model_path()
     import torch
     from cpu_performance import stream_bandwidth
 
-    path = model_path()
     weight_bytes = decode_weight_bytes(path)
     torch.set_num_threads(args.threads)
     bandwidth = stream_bandwidth()
