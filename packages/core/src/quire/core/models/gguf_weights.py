@@ -19,7 +19,7 @@ from torch import nn
 
 from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
-from quire.core.models.gguf import FLOAT_TYPES, KEPT_QUANTIZED, GGUFCheckpoint, GGUFTensor
+from quire.core.models.gguf import KEPT_QUANTIZED, GGUFCheckpoint, GGUFTensor
 from quire.core.models.registry import WeightMapping
 from quire.core.models.weights import load_weights
 from quire.kernels import quant
@@ -92,8 +92,7 @@ def _float_tensor(tensor: GGUFTensor) -> torch.Tensor:
     array = array.reshape(tensor.shape)
     order = _row_order(tensor)
     array = array[order] if order is not None else np.array(array)
-    value = torch.from_numpy(array)
-    return value if tensor.qtype in FLOAT_TYPES[:2] else value.float()
+    return torch.from_numpy(array)  # F32, F16 as stored; dequantized types come out float32
 
 
 def _merge(weights: list[quant.QuantizedWeight]) -> list[quant.QuantizedWeight]:
