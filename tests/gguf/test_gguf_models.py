@@ -8,6 +8,7 @@ import pytest
 
 from quire.core.config import ModelConfig
 from quire.offline import LLM, SamplingParams
+from tests.core.test_decode_stack import assert_stack_equals_modules
 from tests.gguf.greedy import NUM_NEW_TOKENS, assert_greedy_agrees, transformers_greedy
 
 PROMPT_LENS = (1, 3, 17, 40, 64, 100, 150, 200)
@@ -52,6 +53,16 @@ def test_a_fused_projection_of_mixed_types_as_in_q4_k_m_files(gguf_file, prompts
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     assert_greedy_agrees([o.outputs[0].token_ids for o in outputs], transformers_greedy(path, prompts), prompts)
+
+
+def test_decode_stack_on_mixed_quantized_types_equals_modules(gguf_file, corpus_token_ids):
+    """Decode steps run every layer in one C++ call, on the same kernels as the modules: bit-identical, with a
+    qkv bias (qwen2) and a projection of two types."""
+    path = gguf_file("qwen2", "Q4_1", tensor_types={"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_up.weight": "Q8_0"})
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8)
+    qkv = llm.llm_engine.engine_core.engine_core.executor.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert [w.qtype for w in qkv.quantized] == ["Q4_1", "Q6_K"] and qkv.bias is not None
+    assert_stack_equals_modules(llm, corpus_token_ids)
 
 
 def test_types_without_a_kernel_are_dequantized_at_load_with_a_log_line(gguf_file, prompts, caplog):

@@ -123,17 +123,15 @@ class LlamaModel(nn.Module):
 
     def build_decode_stack(self) -> None:
         """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer runs on
-        the C++ ``kernel`` path and the attention backend offers the stack (``cpu_decode_stack``: bfloat16
-        models on AVX2 CPUs); otherwise decode steps keep going through the modules."""
+        a C++ kernel (the bfloat16 ``kernel`` path, or quantized weights on the CPU) and the attention backend
+        offers the stack (``cpu_decode_stack``); otherwise decode steps keep going through the modules."""
         if not self.backend.capabilities.cpu_decode_stack:
             return
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights = {"qkv": decode_stack.kernel_weight(attn.qkv_proj.packed),
-                       "o_proj": decode_stack.kernel_weight(attn.o_proj.packed),
-                       "gate_up": decode_stack.kernel_weight(mlp.gate_up_proj.packed),
-                       "down": decode_stack.kernel_weight(mlp.down_proj.packed)}
+            weights = {"qkv": _stack_weight(attn.qkv_proj), "o_proj": _stack_weight(attn.o_proj),
+                       "gate_up": _stack_weight(mlp.gate_up_proj), "down": _stack_weight(mlp.down_proj)}
             if any(weight is None for weight in weights.values()):
                 return
             layers.append({**weights, "input_norm": layer.input_layernorm.weight,
@@ -145,6 +143,14 @@ class LlamaModel(nn.Module):
         self.decode_stack = decode_stack.build(layers, self.norm.weight, config.num_attention_heads,
                                                config.num_key_value_heads, config.head_dim, config.rms_norm_eps,
                                                config.head_dim**-0.5)
+
+
+def _stack_weight(linear: Linear):
+    """What the C++ decoder stack computes a linear layer with: its quantized row segments (CPU tensors), its
+    bfloat16 weight prepacked for the ``kernel`` path, or None when it can do neither."""
+    if linear.quantized is not None:
+        return linear.quantized if all(w.data.is_cpu for w in linear.quantized) else None
+    return decode_stack.kernel_weight(linear.packed)
 
 
 class LlamaForCausalLM(nn.Module):

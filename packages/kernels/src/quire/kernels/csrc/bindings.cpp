@@ -13,7 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ weight.T + bias with a bfloat16 weight, accumulated in float32");
   py::class_<quire::DecodeStack>(m, "DecodeStack", "every decoder layer of a decode step, in C++")
       .def(py::init<const std::vector<std::vector<std::optional<torch::Tensor>>>&, torch::Tensor, int64_t, int64_t,
-                    int64_t, double, double>())
+                    int64_t, double, double, const std::vector<std::vector<std::vector<quire::QuantSegment>>>&>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("quantized") = std::vector<std::vector<std::vector<quire::QuantSegment>>>{})
       .def("forward", &quire::DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &quire::DecodeStack::num_layers);
   m.def("quant_linear", &quant_linear, "x @ w.T + bias, w in a GGUF block format or INT8, accumulated in float32");

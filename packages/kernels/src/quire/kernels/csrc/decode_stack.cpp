@@ -23,6 +23,41 @@ std::optional<torch::Tensor> optional(const std::optional<torch::Tensor>& t) {
   return t->contiguous();
 }
 
+// A linear weight from a bfloat16 tensor or, where `segments` is not empty, from quantized row segments.
+LinearWeight linear_weight(const std::optional<torch::Tensor>& dense, const std::vector<QuantSegment>& segments,
+                           const char* name) {
+  LinearWeight w;
+  if (segments.empty()) {
+    w.dense = required(dense, name);
+    TORCH_CHECK(w.dense.scalar_type() == at::kBFloat16, "DecodeStack: ", name,
+                " must be bfloat16 or quantized");
+    w.out_features = w.dense.size(0);
+    return w;
+  }
+  TORCH_CHECK(!dense.has_value() || !dense->defined(), "DecodeStack: ", name, " is both dense and quantized");
+  for (const auto& [data, scale, qtype] : segments) {
+    TORCH_CHECK(data.dim() == 2 && data.is_contiguous(), "DecodeStack: ", name,
+                " segments must be contiguous 2-D tensors");
+    w.out_features += data.size(0);
+  }
+  w.segments = segments;
+  return w;
+}
+
+// x @ w.T + bias with the kernels (and in the order) quire.core.models.layers.Linear uses.
+torch::Tensor apply(const LinearWeight& w, const torch::Tensor& x, const std::optional<torch::Tensor>& bias) {
+  if (w.segments.empty()) return linear_bf16(x, w.dense, bias);
+  if (w.segments.size() == 1) {
+    const auto& [data, scale, qtype] = w.segments[0];
+    return quant_linear(x, data, scale, qtype, bias, "");
+  }
+  std::vector<torch::Tensor> parts;
+  parts.reserve(w.segments.size());
+  for (const auto& [data, scale, qtype] : w.segments) parts.push_back(quant_linear(x, data, scale, qtype, {}, ""));
+  auto out = torch::cat(parts, -1);
+  return bias.has_value() ? out + *bias : out;
+}
+
 // Store each row's new key ([B, Hk, D], contiguous) and value (rows of `value`, each Hk * D contiguous)
 // in its slot of the layer's cache [2, N, block, Hk, D].
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& cache,
@@ -49,20 +84,25 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, const torch:
 
 DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tensor>>>& layers,
                          torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, double scale)
+                         double eps, double scale,
+                         const std::vector<std::vector<std::vector<QuantSegment>>>& quantized)
     : final_norm_(final_norm.contiguous()), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), eps_(eps), scale_(scale) {
-  for (const auto& t : layers) {
+  TORCH_CHECK(quantized.empty() || quantized.size() == layers.size(),
+              "DecodeStack: quantized weights must be given for every layer or none");
+  const std::vector<std::vector<QuantSegment>> dense(4);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& t = layers[i];
     TORCH_CHECK(t.size() == 10, "DecodeStack: each layer is 10 tensors (or None)");
-    layers_.push_back({required(t[0], "input_norm"), required(t[1], "qkv"), optional(t[2]), optional(t[3]),
-                       optional(t[4]), required(t[5], "o_proj"), optional(t[6]), required(t[7], "post_norm"),
-                       required(t[8], "gate_up"), required(t[9], "down")});
+    const auto& q = quantized.empty() ? dense : quantized[i];
+    TORCH_CHECK(q.size() == 4, "DecodeStack: quantized weights are [qkv, o_proj, gate_up, down] per layer");
+    layers_.push_back({required(t[0], "input_norm"), linear_weight(t[1], q[0], "qkv"), optional(t[2]),
+                       optional(t[3]), optional(t[4]), linear_weight(t[5], q[1], "o_proj"), optional(t[6]),
+                       required(t[7], "post_norm"), linear_weight(t[8], q[2], "gate_up"),
+                       linear_weight(t[9], q[3], "down")});
     const auto& layer = layers_.back();
-    TORCH_CHECK(layer.qkv.scalar_type() == at::kBFloat16 && layer.o_proj.scalar_type() == at::kBFloat16 &&
-                    layer.gate_up.scalar_type() == at::kBFloat16 && layer.down.scalar_type() == at::kBFloat16,
-                "DecodeStack: the linear weights must be bfloat16");
-    TORCH_CHECK(layer.qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
-                "DecodeStack: qkv has ", layer.qkv.size(0), " rows for ", num_heads, "+2x", num_kv_heads,
+    TORCH_CHECK(layer.qkv.out_features == (num_heads + 2 * num_kv_heads) * head_dim,
+                "DecodeStack: qkv has ", layer.qkv.out_features, " rows for ", num_heads, "+2x", num_kv_heads,
                 " heads of ", head_dim);
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "DecodeStack: q_norm without k_norm");
   }
@@ -94,7 +134,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch
       x = normed[0];
       residual = normed[1];
     }
-    const auto qkv = linear_bf16(x, layer.qkv, layer.qkv_bias);
+    const auto qkv = apply(layer.qkv, x, layer.qkv_bias);
     auto query = qkv.narrow(1, 0, q_size).view({B, H, D});
     auto key = qkv.narrow(1, q_size, kv_size).view({B, Hk, D});
     const auto value = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -107,11 +147,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch
     const auto& cache = kv_caches[i];
     write_kv(key, value, cache, slots);
     const auto attention = paged_decode(query, cache[0], cache[1], tables, lengths, scale_);
-    const auto out = linear_bf16(attention.view({B, q_size}), layer.o_proj, layer.o_bias);
+    const auto out = apply(layer.o_proj, attention.view({B, q_size}), layer.o_bias);
     auto normed = rms_norm(out, residual, layer.post_norm, eps_);
     residual = normed[1];
-    hidden = linear_bf16(silu_and_mul(linear_bf16(normed[0], layer.gate_up, c10::nullopt)), layer.down,
-                         c10::nullopt);
+    hidden = apply(layer.down, silu_and_mul(apply(layer.gate_up, normed[0], std::nullopt)), std::nullopt);
   }
   return rms_norm(hidden, residual, final_norm_, eps_)[0];
 }

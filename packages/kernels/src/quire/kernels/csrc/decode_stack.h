@@ -4,21 +4,34 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace quire {
 
+// One row segment of a quantized weight as quire.kernels.quant.QuantizedWeight holds it: (data, scale, qtype).
+using QuantSegment = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::string>;
+
+// A linear layer's weight: a bfloat16 tensor [out, in] for linear_bf16, or quantized row segments for
+// quant_linear whose outputs are concatenated (a fused projection of several GGUF tensors).
+struct LinearWeight {
+  torch::Tensor dense;
+  std::vector<QuantSegment> segments;
+  int64_t out_features = 0;
+};
+
 struct DecoderLayerWeights {
   torch::Tensor input_norm;
-  torch::Tensor qkv;                       // [q + 2 kv, hidden] bfloat16
+  LinearWeight qkv;                        // [q + 2 kv, hidden]
   std::optional<torch::Tensor> qkv_bias;   // [q + 2 kv]
   std::optional<torch::Tensor> q_norm;     // [head_dim] (Qwen3)
   std::optional<torch::Tensor> k_norm;
-  torch::Tensor o_proj;                    // [hidden, q]
+  LinearWeight o_proj;                     // [hidden, q]
   std::optional<torch::Tensor> o_bias;
   torch::Tensor post_norm;
-  torch::Tensor gate_up;                   // [2 intermediate, hidden]
-  torch::Tensor down;                      // [hidden, intermediate]
+  LinearWeight gate_up;                    // [2 intermediate, hidden]
+  LinearWeight down;                       // [hidden, intermediate]
 };
 
 // Every layer of the decoder for a batch in which each request brings one new token: the same kernels,
@@ -27,9 +40,11 @@ struct DecoderLayerWeights {
 class DecodeStack {
  public:
   // `layers`: per layer [input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, down],
-  // None where a checkpoint has no such tensor.
+  // None where a checkpoint has no such tensor. `quantized` (empty, or one entry per layer): the row segments
+  // of [qkv, o_proj, gate_up, down] for a layer whose linear weights are quantized (None in `layers`).
   DecodeStack(const std::vector<std::vector<std::optional<torch::Tensor>>>& layers, torch::Tensor final_norm,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              const std::vector<std::vector<std::vector<QuantSegment>>>& quantized = {});
 
   // hidden [B, hidden] (the embeddings of the batch's tokens); kv_caches: per layer [2, N, block, Hk, D];
   // block_tables [B, max_blocks], seq_lens [B] (including the new token), slot_mapping [B];
