@@ -89,3 +89,33 @@ def corpus_token_ids(tiny_tokenizer):
     from quire.core.testing.checkpoints import corpus_text
 
     return tiny_tokenizer.encode(corpus_text()[5000:60000])
+
+
+@pytest.fixture(scope="session")
+def llava_checkpoint(tmp_path_factory):
+    """Folder of a tiny LLaVA-1.5-style checkpoint with its processor (CLIP image processor, ``<image>``
+    token, chat template with image parts), built once per session."""
+    from quire.core.testing.multimodal_checkpoints import build_llava_checkpoint
+
+    return build_llava_checkpoint(tmp_path_factory.mktemp("ckpt-llava"))
+
+
+@pytest.fixture(scope="session")
+def llava_server(llava_checkpoint, tmp_path_factory):
+    """The real server on the tiny LLaVA checkpoint in float32 (debug routes on), shared by every image test.
+
+    Images may come inline (data URLs), as files under ``server.media_folder`` (which holds ``cat.png``,
+    ``tests.media_server.png_bytes()``), or over http from ``localhost`` only (``127.0.0.1`` is not allowed);
+    at most 4 images per prompt and 1 MiB per image.
+    """
+    from tests.media_server import png_bytes
+    from tests.servers import ServerProcess
+
+    media_folder = tmp_path_factory.mktemp("llava-media")
+    (media_folder / "cat.png").write_bytes(png_bytes())
+    server = ServerProcess("--model", str(llava_checkpoint), "--dtype", "float32", "--enable-debug-routes",
+                           "--allowed-media-domains", "localhost", "--allowed-local-media-path", str(media_folder),
+                           "--max-image-bytes", "1MiB", "--limit-mm-per-prompt", '{"image": 4}')
+    server.media_folder = media_folder
+    yield server
+    server.stop()

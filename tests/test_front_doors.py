@@ -4,6 +4,7 @@ commands."""
 
 import dataclasses
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -28,13 +29,23 @@ def flag(field) -> str:
 def other_value(field):
     """A valid value that differs from the default, to see the option arrive."""
     samples = {"dtype": "bfloat16", "scheduling_policy": "priority", "attention_backend": "triton", "device": "cpu",
-               "model": "/models/x", "tokenizer": "/tokenizers/x", "gpu_memory_utilization": 0.5}
+               "model": "/models/x", "tokenizer": "/tokenizers/x", "gpu_memory_utilization": 0.5,
+               "limit_mm_per_prompt": {"image": 7}, "allowed_media_domains": ["images.example", "cdn.example"]}
     if field.name in samples:
         return samples[field.name]
     if field.metadata["choices"]:
         return next(choice for choice in field.metadata["choices"] if choice != field.default)
     kind = EngineArgs.field_types()[field.name]
     return (not field.default) if kind is bool else kind(7)
+
+
+def command_line_text(value) -> str:
+    """A value as typed after its flag: JSON for a dict, comma-separated for a list."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value)
 
 
 def test_llm_takes_every_option_with_the_same_default():
@@ -55,7 +66,7 @@ def test_the_server_parser_takes_every_option_with_the_same_default():
     for field in FIELDS:
         value = other_value(field)
         argv = [flag(field) if value is True else f"--no-{flag(field)[2:]}"] if isinstance(value, bool) else [
-            flag(field), str(value)]
+            flag(field), command_line_text(value)]
         parsed, _ = settings_from_args(parser.parse_args(argv))
         assert getattr(parsed, field.name) == value, field.name
 
@@ -83,3 +94,27 @@ def test_offline_commands_take_every_option_with_the_same_default(path):
     for field in FIELDS:
         assert options[field.name].default == field.default, (path, field.name)
         assert flag(field) in options[field.name].opts, (path, field.name)
+
+
+def test_offline_commands_read_list_and_dict_options_as_one_value():
+    from typer.testing import CliRunner
+
+    from quire.cli.engine_options import with_engine_options
+
+    received = []
+    cli = typer.Typer()
+
+    @cli.command()
+    @with_engine_options
+    def run(engine_args: EngineArgs):
+        received.append(engine_args)
+
+    @cli.command()
+    def other():
+        pass
+
+    result = CliRunner().invoke(cli, ["run", "--allowed-media-domains", "a.example,b.example",
+                                      "--limit-mm-per-prompt", '{"image": 2}', "--max-image-bytes", "1MiB"])
+    assert result.exit_code == 0, result.output
+    assert received[0].allowed_media_domains == ["a.example", "b.example"]
+    assert received[0].limit_mm_per_prompt == {"image": 2} and received[0].max_image_bytes == 2**20

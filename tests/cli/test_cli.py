@@ -103,6 +103,49 @@ def test_chat_and_complete_quick_against_a_real_server(demo_server):
     assert unreachable.exit_code == 1 and "cannot reach" in unreachable.stderr
 
 
+def test_chat_image_becomes_an_inline_image_part(tmp_path):
+    import base64
+
+    from quire.cli.client import ClientError, image_part
+    from tests.media_server import png_bytes
+
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(png_bytes())
+    part = image_part(picture)
+    assert part["type"] == "image_url"
+    header, data = part["image_url"]["url"].split(",", 1)
+    assert header == "data:image/png;base64" and base64.b64decode(data) == picture.read_bytes()
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ClientError, match="does not look like an image"):
+        image_part(tmp_path / "notes.txt")
+    with pytest.raises(ClientError, match="cannot read"):
+        image_part(tmp_path / "absent.jpg")
+
+
+def test_chat_sends_the_image_with_the_first_message(demo_server, tmp_path):
+    from tests.media_server import png_bytes
+
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(png_bytes())
+    url = demo_server.url("/v1")
+    # quire-demo takes text only: its refusal shows the image reached the server in the first message
+    result = runner.invoke(app, ["chat", "--url", url, "--image", str(picture), "--quick", "What is it?"])
+    assert result.exit_code == 1 and "400" in result.stderr and "text only" in result.stderr, result.stderr
+    missing = runner.invoke(app, ["chat", "--url", url, "--image", str(tmp_path / "absent.png"), "--quick", "hi"])
+    assert missing.exit_code == 1 and "cannot read" in missing.stderr
+
+
+def test_chat_with_an_image_against_a_vision_language_server(llava_server, tmp_path):
+    from tests.media_server import png_bytes
+
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(png_bytes())
+    result = runner.invoke(app, ["chat", "--url", llava_server.url("/v1"), "--image", str(picture), "--quick",
+                                 "What is it?", "--max-tokens", "4", "--temperature", "0"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip()
+
+
 def test_bench_serve_against_a_real_server(demo_server, tmp_path):
     result = runner.invoke(app, ["bench", "serve", "--base-url", demo_server.base_url, "--num-prompts", "12",
                                  "--random-input-len", "24", "--random-output-len", "8", "--request-rate", "50",

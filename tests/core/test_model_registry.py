@@ -79,5 +79,6 @@ def test_registry_and_config_import_no_torch_and_classes_load_lazily():
             "from quire.core.models import supported_architectures; supported_architectures(); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert supported_architectures() == ARCHITECTURES
+    assert supported_architectures() == sorted([*ARCHITECTURES, "LlavaForConditionalGeneration"])
     assert {get_model_class(name).__name__ for name in ARCHITECTURES} == {"LlamaForCausalLM"}
+    assert get_model_class("LlavaForConditionalGeneration").__name__ == "LlavaForConditionalGeneration"

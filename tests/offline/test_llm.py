@@ -47,3 +47,18 @@ def test_progress_bar_reports_requests_and_token_rates(llm, capsys):
     llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=True)
     err = capsys.readouterr().err
     assert "3/3" in err and "output" in err and "tok/s" in err
+
+
+def test_a_text_only_model_refuses_images_before_any_engine_work(llm):
+    from quire.core.errors import ValidationError
+    from quire.core.testing.multimodal_checkpoints import sample_image as make_image
+
+    image = make_image(8, 8)
+    with pytest.raises(ValidationError) as error:
+        llm.generate({"prompt": "hi <image>", "multi_modal_data": {"image": image}}, use_tqdm=False)
+    assert error.value.param == "multi_modal_data.image" and "text only" in error.value.message
+    with pytest.raises(ValidationError) as error:
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                               {"type": "text", "text": "What is it?"}]}], use_tqdm=False)
+    assert error.value.param == "messages[0].content[0]"
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -3,10 +3,13 @@ prompts, statistics and errors on stderr)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -109,15 +112,31 @@ def _sampling(max_tokens, temperature) -> dict:
     return body
 
 
-def run_chat(url, model, api_key, system_prompt, quick, stats, max_tokens, temperature) -> int:
+def image_part(path: str | Path) -> dict:
+    """An image file as an OpenAI ``image_url`` content part (inline, as a base64 ``data:`` URL)."""
+    media_type = mimetypes.guess_type(str(path))[0]
+    if media_type is None or not media_type.startswith("image/"):
+        raise ClientError(f"{path} does not look like an image file (.png, .jpg, .webp, .gif, .bmp)")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ClientError(f"cannot read {path}: {error.strerror}") from None
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
+
+
+def run_chat(url, model, api_key, system_prompt, quick, stats, max_tokens, temperature, image=None) -> int:
+    """``image``: a file sent with the first user message (before its text)."""
     def session(http) -> None:
+        pending_image = None if image is None else image_part(image)
         chosen = model or _first_model(http)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         turns = [quick] if quick is not None else iter(lambda: _read_line("> "), None)
         for text in turns:
             if not text.strip():
                 continue
-            messages.append({"role": "user", "content": text})
+            content = text if pending_image is None else [pending_image, {"type": "text", "text": text}]
+            pending_image = None
+            messages.append({"role": "user", "content": content})
             reply = _stream_reply(http, "/chat/completions",
                                   {"model": chosen, "messages": messages, **_sampling(max_tokens, temperature)},
                                   lambda choice: choice.get("delta", {}).get("content"), stats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,8 @@ def engine_parameters() -> list[inspect.Parameter]:
     for field in dataclasses.fields(EngineArgs):
         meta = field.metadata
         kind = Literal[meta["choices"]] if meta["choices"] else types[field.name]
+        if meta["parse"] is not None and typing.get_origin(kind) in (list, dict):
+            kind = str  # one option value that ``parse`` turns into the list or dict (not a repeated option)
         if field.default is None:
             kind = kind | None
         info = typer.Option(help=meta["help"], rich_help_panel=PANEL, metavar=meta["metavar"],

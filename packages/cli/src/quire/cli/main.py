@@ -39,11 +39,13 @@ def chat(
     stats: Annotated[bool, typer.Option(help="Print time to first token and tokens per second.")] = False,
     max_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     temperature: Annotated[float | None, typer.Option(min=0.0)] = None,
+    image: Annotated[Path | None, typer.Option(help="An image file sent with the first message (for "
+                                                    "vision-language models).")] = None,
 ):
     """Chat with a running server (a REPL keeping the conversation; Ctrl-D or 'exit' to leave)."""
     from quire.cli.client import run_chat
 
-    raise typer.Exit(run_chat(url, model, api_key, system_prompt, quick, stats, max_tokens, temperature))
+    raise typer.Exit(run_chat(url, model, api_key, system_prompt, quick, stats, max_tokens, temperature, image))
 
 
 @app.command()

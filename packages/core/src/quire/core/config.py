@@ -65,6 +65,15 @@ class ModelConfig:
     # None: weights in ``dtype``; "int8": float linear layers quantized to int8 at load. A GGUF file (``path``
     # ends in .gguf) keeps its own quantized types whatever this says.
     quantization: str | None = None
+    # Vision-language models: the prompt token that image placeholders use (None: the model takes text
+    # only), and the architecture's own multimodal settings (vision tower config, projector, …) as its
+    # registry entry reads them from config.json.
+    image_token_id: int | None = None
+    multimodal_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
     @property
     def is_gguf(self) -> bool:
@@ -108,7 +117,11 @@ class ModelConfig:
         if quantization not in (None, "int8"):
             raise ConfigError(f"quantization must be int8 or unset, got {quantization!r}")
         architecture = _architecture(hf)
-        architecture_fields = get_model_entry(architecture).config_fields(hf)
+        entry = get_model_entry(architecture)
+        architecture_fields = entry.config_fields(hf)
+        if entry.text_config is not None:
+            # a vision-language config: the language model's fields live in text_config
+            hf = {**hf, **entry.text_config(hf)}
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         max_positions = int(hf.get("max_position_embeddings", 2048))
@@ -248,6 +261,25 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiModalConfig:
+    """Image inputs, as the front end checks and loads them (the engine core never reads this).
+
+    ``limit_per_prompt``: most items of each modality in one prompt. Images come inline (``data:`` URLs),
+    from files under ``allowed_local_media_path`` (``file://`` URLs; None: none) or over http(s) from the
+    hosts in ``allowed_media_domains`` only (empty: no URL is fetched), each download within
+    ``media_fetch_timeout`` seconds; an image may hold at most ``max_image_bytes`` encoded and
+    ``max_image_pixels`` decoded.
+    """
+
+    limit_per_prompt: dict[str, int] = dataclasses.field(default_factory=lambda: {"image": 999})
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 5.0
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 8192 * 8192
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine core needs, built once by ``EngineArgs.create_engine_config``."""
 
@@ -270,3 +302,5 @@ class EngineConfig:
     # Chat outputs: the tool-call parser (tool_choice "auto") and the reasoning parser, by name (None: none).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Image inputs (vision-language models): limits and where images may come from; front end only.
+    multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)

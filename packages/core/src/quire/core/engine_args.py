@@ -8,11 +8,13 @@ A new option is one field here (with ``option(...)``) plus where ``create_engine
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from quire.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from quire.core.config import CacheConfig, EngineConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
 from quire.core.parsers.reasoning import REASONING_PARSERS
@@ -20,6 +22,8 @@ from quire.core.parsers.tool_calls import TOOL_PARSERS
 
 _SCHEDULER = SchedulerConfig()
 _CACHE = CacheConfig()
+_MULTIMODAL = MultiModalConfig()
+MODALITIES = ("image", "video", "audio")
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -45,6 +49,39 @@ def parse_byte_size(text: str | int) -> int:
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_modality_limits(text: str | dict[str, int]) -> dict[str, int]:
+    """``'{"image": 2}'`` (vLLM's JSON form) or ``"image=2,video=0"`` as most items per modality."""
+    if isinstance(text, dict):
+        limits = text
+    elif str(text).strip().startswith("{"):
+        try:
+            limits = json.loads(text)
+        except ValueError:
+            raise ValueError(f"not a JSON object of limits: {text!r} (e.g. '{{\"image\": 2}}')") from None
+    else:
+        pairs = [item.split("=", 1) for item in str(text).split(",") if item.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"not a list of limits: {text!r} (e.g. image=2)")
+        try:
+            limits = {name.strip(): int(value) for name, value in pairs}
+        except ValueError:
+            raise ValueError(f"limits must be whole numbers: {text!r}") from None
+    if not isinstance(limits, dict):
+        raise ValueError(f"not a JSON object of limits: {text!r}")
+    for name, value in limits.items():
+        if name not in MODALITIES:
+            raise ValueError(f"unknown modality {name!r} (known: {', '.join(MODALITIES)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"the limit of {name} must be a whole number >= 0, got {value!r}")
+    return dict(limits)
+
+
+def parse_name_list(text: str | list[str] | tuple[str, ...]) -> list[str]:
+    """``"a.example,b.example"`` (or a list) as a list of names, blanks dropped."""
+    names = text.split(",") if isinstance(text, str) else list(text)
+    return [str(name).strip() for name in names if str(name).strip()]
 
 
 @dataclasses.dataclass
@@ -107,6 +144,19 @@ class EngineArgs:
     reasoning_parser: str | None = option(
         None, "Splits a reasoning model's thinking (<think>...</think>) from its answer into reasoning and "
               "content; constraints start after the thinking.", choices=tuple(REASONING_PARSERS.names()))
+    limit_mm_per_prompt: dict[str, int] | None = option(
+        None, "Most images (or other items) in one prompt, as JSON: '{\"image\": 2}' (default: 999 images).",
+        parse=parse_modality_limits, metavar="JSON")
+    allowed_local_media_path: str | None = option(
+        None, "A folder whose images requests may name as file:// URLs (default: none; local files are refused).")
+    allowed_media_domains: list[str] | None = option(
+        None, "Hosts whose http(s) image URLs are fetched, comma-separated (default: none; URLs are refused).",
+        parse=parse_name_list, metavar="HOSTS")
+    media_fetch_timeout: float = option(_MULTIMODAL.media_fetch_timeout, "Seconds an image download may take.")
+    max_image_bytes: int = option(_MULTIMODAL.max_image_bytes, "Most bytes of one encoded image (inline, file or "
+                                                               "download), e.g. 20MiB.",
+                                  parse=parse_byte_size, metavar="SIZE")
+    max_image_pixels: int = option(_MULTIMODAL.max_image_pixels, "Most pixels (width x height) of one image.")
 
     @classmethod
     def field_types(cls) -> dict[str, Any]:
@@ -174,6 +224,27 @@ class EngineArgs:
             structured_outputs_backend=self.structured_outputs_backend,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
+            multimodal=self._multimodal_config(),
+        )
+
+    def _multimodal_config(self) -> MultiModalConfig:
+        local_path = None
+        if self.allowed_local_media_path is not None:
+            folder = Path(self.allowed_local_media_path).expanduser()
+            if not folder.is_dir():
+                raise ConfigError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")
+            local_path = str(folder.resolve())
+        try:
+            limits = parse_modality_limits(self.limit_mm_per_prompt or {})
+        except ValueError as error:
+            raise ConfigError(f"limit_mm_per_prompt: {error}") from None
+        return MultiModalConfig(
+            limit_per_prompt={**_MULTIMODAL.limit_per_prompt, **limits},
+            allowed_local_media_path=local_path,
+            allowed_media_domains=tuple(name.lower() for name in parse_name_list(self.allowed_media_domains or [])),
+            media_fetch_timeout=self.media_fetch_timeout,
+            max_image_bytes=parse_byte_size(self.max_image_bytes),
+            max_image_pixels=self.max_image_pixels,
         )
 
     def _validate(self) -> None:
@@ -194,6 +265,8 @@ class EngineArgs:
                               f"{self.kv_cache_memory}")
         if self.max_queue_time is not None and self.max_queue_time <= 0:
             raise ConfigError(f"max_queue_time must be a positive number of seconds, got {self.max_queue_time}")
+        if self.media_fetch_timeout <= 0 or self.max_image_pixels < 1 or parse_byte_size(self.max_image_bytes) < 1:
+            raise ConfigError("media_fetch_timeout, max_image_bytes and max_image_pixels must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):

@@ -2,8 +2,10 @@
 template and turns text into token ids (and token ids back into text) for every front door.
 
 Prompt forms (as vLLM's): text, a list of token ids, ``{"prompt": text}`` (optionally with
-``"add_special_tokens"``), ``{"prompt_token_ids": [...]}``, or a ``ChatPrompt`` of messages. This module
-imports neither torch nor transformers; the tokenizer is handed in.
+``"add_special_tokens"`` and, for vision-language models, ``"multi_modal_data": {"image": ...}``),
+``{"prompt_token_ids": [...]}``, or a ``ChatPrompt`` of messages (whose content parts may be images). This
+module imports neither torch nor transformers nor an image library; the tokenizer, and for models that take
+images the ``quire.core.multimodal`` processor, are handed in.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import jinja2
 
 from quire.core.errors import ValidationError
+from quire.core.multimodal.parts import ImageInput, image_from_part, images_from_multi_modal_data, is_image_part
 
 Conversation = list[dict[str, Any]]
 # Inputs this long (characters) are rendered off the event loop by asyncio front ends.
@@ -50,11 +53,13 @@ PromptType = str | list[int] | dict[str, Any] | ChatPrompt
 @dataclasses.dataclass(frozen=True)
 class RenderedPrompt:
     """A prompt as token ids. ``text`` is the text they came from (the rendered template for chats; None
-    for token-id prompts); ``is_chat`` makes length errors name ``messages`` instead of ``prompt``."""
+    for token-id prompts); ``is_chat`` makes length errors name ``messages`` instead of ``prompt``.
+    ``mm_features`` (``wire.MultiModalFeature``, in prompt order) are the prompt's processed images."""
 
     token_ids: list[int]
     text: str | None
     is_chat: bool = False
+    mm_features: list | None = None
 
     @property
     def param(self) -> str:
@@ -63,18 +68,23 @@ class RenderedPrompt:
 
 class Renderer:
     """Renders and tokenizes with one checkpoint's tokenizer; ``vocab_size`` is the model's (the bound
-    every token id is checked against)."""
+    every token id is checked against). ``multimodal`` is the model's ``MultiModalProcessor`` (None: the
+    model takes text only, and images are refused)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, multimodal=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.multimodal = multimodal
 
     def render(self, prompt: PromptType) -> RenderedPrompt:
         """Any prompt form as token ids, raising ``ValidationError`` (naming the field) for bad input."""
         if isinstance(prompt, ChatPrompt):
             return self.render_chat(prompt)
         add_special_tokens = True
+        images: list[ImageInput] = []
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                images = self._images_of(images_from_multi_modal_data(prompt["multi_modal_data"]))
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -85,11 +95,18 @@ class Renderer:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", param="prompt")
-            return RenderedPrompt(self.tokenize(prompt, add_special_tokens), prompt)
+            if images:
+                token_ids, features = self.multimodal.process(prompt, images, add_special_tokens, "prompt")
+                return RenderedPrompt(token_ids, prompt, mm_features=features)
+            return RenderedPrompt(self._text_token_ids(prompt, add_special_tokens, "prompt"), prompt)
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if images:
+                raise ValidationError("multi_modal_data needs a text prompt (with the model's image placeholders), "
+                                      "not token ids", param="multi_modal_data")
             token_ids = list(prompt)
             self.check_token_ids(token_ids, "prompt")
+            self._check_no_placeholders(token_ids, "prompt")
             return RenderedPrompt(token_ids, None)
         raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
 
@@ -101,7 +118,10 @@ class Renderer:
         if chat.chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValidationError("this model has no chat template; pass one with chat_template",
                                   param="chat_template")
-        normalized = [_normalize_message(i, message) for i, message in enumerate(chat.messages)]
+        images: list[ImageInput] | None = [] if self.multimodal is not None else None
+        normalized = [_normalize_message(i, message, images) for i, message in enumerate(chat.messages)]
+        if images:
+            self.multimodal.check_count(images, "messages")  # before rendering or loading anything
         if not normalized:
             raise ValidationError("messages must not be empty", param="messages")
         reserved = set(chat.chat_template_kwargs or ()) & _RESERVED_TEMPLATE_ARGUMENTS
@@ -120,7 +140,10 @@ class Renderer:
             raise ValidationError(f"the chat template could not render these messages: {error}",
                                   param="messages") from None
         # The template already contains any special tokens the model expects.
-        return RenderedPrompt(self.tokenize(text, add_special_tokens=False), text, is_chat=True)
+        if images:
+            token_ids, features = self.multimodal.process(text, images, False, "messages")
+            return RenderedPrompt(token_ids, text, is_chat=True, mm_features=features)
+        return RenderedPrompt(self._text_token_ids(text, False, "messages"), text, is_chat=True)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -128,6 +151,25 @@ class Renderer:
     def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
         self.check_token_ids(token_ids, param)
         return self.tokenizer.decode(token_ids)
+
+    def _images_of(self, images: list[ImageInput]) -> list[ImageInput]:
+        """A prompt dict's images, refused for a text-only model or beyond the limit (before any is loaded)."""
+        if not images:
+            return images
+        if self.multimodal is None:
+            raise ValidationError("this model takes text only; it cannot read images", param=images[0].param)
+        self.multimodal.check_count(images, "multi_modal_data")
+        return images
+
+    def _text_token_ids(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        token_ids = self.tokenize(text, add_special_tokens)
+        self._check_no_placeholders(token_ids, param)
+        return token_ids
+
+    def _check_no_placeholders(self, token_ids: list[int], param: str) -> None:
+        """A prompt without images may not hold image placeholder tokens (the model would read garbage there)."""
+        if self.multimodal is not None and self.multimodal.image_token_id in token_ids:
+            raise ValidationError(f"{param} holds the model's image placeholder token but no image", param=param)
 
     def check_token_ids(self, token_ids, param: str) -> None:
         """Raise ``ValidationError`` naming ``param`` if any id is outside the model's vocabulary."""
@@ -139,10 +181,22 @@ class Renderer:
 
 
 def is_long(prompt: PromptType) -> bool:
-    """Whether rendering ``prompt`` may take long enough to be moved off an event loop."""
+    """Whether rendering ``prompt`` may take long enough to be moved off an event loop (long text; any
+    image, which is decoded, maybe downloaded, and processed)."""
     if isinstance(prompt, ChatPrompt):
-        return sum(len(str(m.get("content") or "")) for m in prompt.messages if isinstance(m, dict)) > LONG_PROMPT_CHARS
+        num_chars = 0
+        for message in prompt.messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                if any(is_image_part(part) for part in content):
+                    return True
+                num_chars += sum(len(str(part.get("text") or "")) for part in content if isinstance(part, dict))
+            else:
+                num_chars += len(str(content or ""))
+        return num_chars > LONG_PROMPT_CHARS
     if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data"):
+            return True
         prompt = prompt.get("prompt", "")
     return isinstance(prompt, str) and len(prompt) > LONG_PROMPT_CHARS
 
@@ -159,7 +213,10 @@ def _generation_prompt(chat: ChatPrompt, messages: Conversation) -> bool:
     return True if chat.add_generation_prompt is None else chat.add_generation_prompt
 
 
-def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+def _normalize_message(index: int, message: Any, images: list[ImageInput] | None) -> dict[str, Any]:
+    """The message as the template reads it. ``images`` is None for a model that takes text only (list
+    content is joined into one text; image parts are refused); otherwise list content stays a list of
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts, and the images are appended to it."""
     param = f"messages[{index}]"
     if not isinstance(message, dict):
         raise ValidationError(f"{param} must be an object with role and content", param=param)
@@ -168,13 +225,7 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         raise ValidationError(f"{param}.role must be a non-empty string", param=f"{param}.role")
     content = message.get("content", "")
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ValidationError(f"{param}.content parts must be text parts",
-                                      param=f"{param}.content")
-            texts.append(part["text"])
-        content = "\n".join(texts)
+        content = _content_parts(f"{param}.content", content, images)
     elif content is None:
         content = ""
     elif not isinstance(content, str):
@@ -185,6 +236,25 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         normalized["tool_calls"] = [_template_tool_call(f"{param}.tool_calls[{i}]", call)
                                     for i, call in enumerate(message["tool_calls"])]
     return normalized
+
+
+def _content_parts(param: str, content: list, images: list[ImageInput] | None) -> str | list[dict[str, Any]]:
+    parts = []
+    for index, part in enumerate(content):
+        part_param = f"{param}[{index}]"
+        if is_image_part(part):
+            if images is None:
+                raise ValidationError("this model takes text only; it cannot read images", param=part_param)
+            images.append(image_from_part(part, part_param))
+            parts.append({"type": "image"})
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kinds = "text parts" if images is None else "text or image (image_url, image_pil) parts"
+            raise ValidationError(f"{param} parts must be {kinds}", param=part_param)
+    if images is None:
+        return "\n".join(part["text"] for part in parts)
+    return parts
 
 
 def _template_tool_call(param: str, call: Any) -> dict[str, Any]:

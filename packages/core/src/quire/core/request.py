@@ -6,7 +6,7 @@ import enum
 import time
 
 from quire.core.sampling_params import SamplingParams
-from quire.core.wire import EngineCoreEvent, EventType, FinishReason
+from quire.core.wire import EngineCoreEvent, EventType, FinishReason, MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +53,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         bad_words_token_ids: list[list[int]] = (),
+        mm_features: list[MultiModalFeature] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,6 +61,8 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.bad_words_token_ids = [list(ids) for ids in bad_words_token_ids]
+        # Images of the prompt, in prompt order: their placeholder tokens take the encoder's outputs.
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         self.arrival_time = arrival_time
         self.priority = priority
         self.all_token_ids = list(prompt_token_ids)

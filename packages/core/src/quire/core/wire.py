@@ -26,6 +26,47 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class TensorData(msgspec.Struct, array_like=True, gc=False):
+    """A tensor as a raw little-endian buffer (no pickles on the wire): numpy ``dtype`` name and shape."""
+
+    dtype: str
+    shape: list[int]
+    buffer: bytes
+
+    @classmethod
+    def from_array(cls, array) -> TensorData:
+        """From a numpy array (or anything ``numpy.asarray`` takes, such as a CPU torch tensor)."""
+        import numpy as np
+
+        array = np.asarray(array)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        return cls(array.dtype.name, list(array.shape), np.ascontiguousarray(array).tobytes())
+
+    def to_array(self):
+        """A read-only numpy view of the buffer."""
+        import numpy as np
+
+        return np.frombuffer(self.buffer, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+
+class MultiModalFeature(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One image (or other item) of a prompt, processed by the front end for the model's encoder.
+
+    ``offset`` is the index of the first of the ``length`` placeholder tokens the item's embeddings
+    replace in the prompt; ``identifier`` is a hash of the item's content and processing, which keys the
+    engine's encoder-output cache and enters the prefix-cache hashes of the blocks the placeholders
+    occupy. ``data`` holds the processor's outputs for this item alone (``pixel_values``, and for some
+    models ``image_grid_thw``).
+    """
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    data: dict[str, TensorData] = {}
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A validated, tokenized request, as the engine core receives it."""
 
@@ -40,6 +81,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # With a structured-output constraint and a reasoning parser: the token ids of the parser's start and end
     # tags (the constraint waits for the reasoning to end); None otherwise.
     reasoning_tags: tuple[list[int], list[int]] | None = None
+    # Images of the prompt, in prompt order (None for text-only prompts).
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -129,6 +172,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_hits: int = 0  # tokens found there
     # Seconds each structured-output grammar compiled since the previous snapshot took (cache misses only).
     structured_output_compile_seconds: list[float] = []
+    mm_cache_queries: int = 0  # multimodal items whose encoder output was needed
+    mm_cache_hits: int = 0  # items whose encoder output was already in the encoder cache
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

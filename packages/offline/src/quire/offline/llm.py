@@ -70,7 +70,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, a prompt dict or a ``ChatPrompt``); outputs in input
-        order.
+        order. A vision-language model also takes ``{"prompt": "...<image>...", "multi_modal_data": {"image":
+        pil_image_or_list}}``: one image per placeholder, in order.
 
         ``priority`` (one per prompt; lower runs first) matters with ``scheduling_policy="priority"``.
         """
@@ -95,7 +96,10 @@ class LLM:
         parallel_tool_calls: bool | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate a reply to one conversation (a list of messages) or to each of several.
+        """Generate a reply to one conversation (a list of messages) or to each of several. Content may be a
+        list of parts: text (``{"type": "text", "text": ...}``) and, for vision-language models, images
+        (``{"type": "image_pil", "image_pil": pil_image}`` or ``{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}``).
 
         ``add_generation_prompt`` (default: unless ``continue_final_message``) opens an assistant turn;
         ``continue_final_message`` lets the model continue the last (assistant) message instead.

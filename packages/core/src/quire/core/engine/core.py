@@ -53,16 +53,32 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.faults.check_request(request.request_id)
+        if request.mm_features:
+            self._check_mm_features(request)
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
-            request.cache_salt, request.bad_words_token_ids,
+            request.cache_salt, request.bad_words_token_ids, request.mm_features,
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             core_request.structured_output = self.structured_outputs.add_request(
                 constraint, request.eos_token_ids, request.prompt_token_ids, request.reasoning_tags)
         self.scheduler.add_request(core_request)
+
+    def _check_mm_features(self, request: EngineCoreRequest) -> None:
+        """Images must sit on placeholder tokens of the prompt, in order and apart (the front end puts
+        them there; this guards the runner against a malformed request)."""
+        placeholder = self.config.model.image_token_id
+        if placeholder is None:
+            raise ValueError(f"{self.config.model.architecture} takes no images")
+        prompt, previous_end = request.prompt_token_ids, 0
+        for feature in request.mm_features:
+            start, end = feature.offset, feature.offset + feature.length
+            if not (previous_end <= start < end <= len(prompt)) or any(t != placeholder for t in prompt[start:end]):
+                raise ValueError(f"image {feature.identifier[:12]} at prompt tokens [{start}, {end}) is not on a "
+                                 "run of placeholder tokens after the previous image")
+            previous_end = end
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -107,6 +123,8 @@ class EngineCore:
         in_use = [b.block_id for b in kv.block_pool.blocks[1:] if b.ref_cnt != 0]
         if in_use:
             problems.append(f"blocks with references: {in_use[:10]}")
+        if scheduler.encoder_cache.num_referenced:
+            problems.append(f"{scheduler.encoder_cache.num_referenced} encoder outputs still referenced")
         num_rows = self.executor.num_runner_rows()
         if num_rows:
             problems.append(f"{num_rows} rows left in the model runner")

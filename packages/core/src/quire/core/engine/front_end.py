@@ -20,7 +20,12 @@ class FrontEnd:
 
     def __init__(self, config: EngineConfig, max_model_len: int):
         tokenizer = load_tokenizer(config.tokenizer)
-        self.renderer = Renderer(tokenizer, config.model.vocab_size)
+        multimodal = None
+        if config.model.is_multimodal:  # only then is an image library (and the processor) loaded
+            from quire.core.multimodal.processing import MultiModalProcessor
+
+            multimodal = MultiModalProcessor.from_model(config.model, config.multimodal)
+        self.renderer = Renderer(tokenizer, config.model.vocab_size, multimodal)
         self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
                                               config.structured_outputs_backend, config.reasoning_parser)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)

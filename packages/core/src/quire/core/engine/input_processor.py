@@ -14,7 +14,7 @@ from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.renderer import PromptType, RenderedPrompt, Renderer
 from quire.core.sampling_params import SamplingParams
 from quire.core.structured_outputs.validation import StructuredOutputValidator
-from quire.core.wire import EngineCoreRequest
+from quire.core.wire import EngineCoreRequest, MultiModalFeature
 
 
 class InputProcessor:
@@ -57,6 +57,7 @@ class InputProcessor:
             raise ValidationError("cache_salt must be a non-empty string", param="cache_salt")
         rendered = self.renderer.render(prompt)
         prompt_ids = self._truncate(rendered.token_ids, params.truncate_prompt_tokens)
+        mm_features = _shift_features(rendered.mm_features, len(rendered.token_ids) - len(prompt_ids))
         self._check_context(rendered, len(prompt_ids))
         params = self._validate_params(params)
         params = self._resolve_max_tokens(params, len(prompt_ids))
@@ -70,6 +71,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             reasoning_tags=self.reasoning_tags if params.structured_outputs is not None else None,
+            mm_features=mm_features,
         )
         return request, rendered.text
 
@@ -137,3 +139,13 @@ class InputProcessor:
             if constraint is not params.structured_outputs:
                 params = msgspec.structs.replace(params, structured_outputs=constraint)
         return params
+
+
+def _shift_features(features: list[MultiModalFeature] | None, num_dropped: int) -> list[MultiModalFeature] | None:
+    """The images' placeholder offsets after truncation dropped the prompt's first ``num_dropped`` tokens."""
+    if not features or not num_dropped:
+        return features or None
+    if features[0].offset < num_dropped:
+        raise ValidationError("truncate_prompt_tokens would cut into an image's placeholder tokens",
+                              param="truncate_prompt_tokens")
+    return [msgspec.structs.replace(feature, offset=feature.offset - num_dropped) for feature in features]

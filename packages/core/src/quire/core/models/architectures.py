@@ -5,10 +5,14 @@ A new family is its model file plus one ``register_model(ModelEntry(...))`` here
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from quire.core.errors import ConfigError
 from quire.core.models.registry import FusedWeight, ModelEntry, WeightMapping, register_model
+
+if TYPE_CHECKING:
+    from quire.core.config import ModelConfig
 
 # Llama-shaped checkpoints store q/k/v and gate/up separately; the model fuses each group into one
 # matrix multiply, so their tensors are stacked into ``qkv_proj`` and ``gate_up_proj``.
@@ -56,3 +60,132 @@ register_model(ModelEntry("LlamaForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGH
 register_model(ModelEntry("MistralForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("mistral",)))
 register_model(ModelEntry("Qwen2ForCausalLM", *_LLAMA, qwen2_fields, LLAMA_WEIGHTS, model_types=("qwen2",)))
 register_model(ModelEntry("Qwen3ForCausalLM", *_LLAMA, qwen3_fields, LLAMA_WEIGHTS, model_types=("qwen3",)))
+
+
+# LLaVA-1.5: a CLIP vision tower and a two-layer projector in front of a Llama-shaped language model.
+_LLAVA_TEXT_FIELDS = {"llama": llama_fields, "mistral": llama_fields, "qwen2": qwen2_fields}
+# transformers 4.x wrote only the sub-config values that differ from their class's defaults (llava-hf's
+# llava-1.5 text_config names no layer count), so LlamaConfig's and CLIPVisionConfig's defaults fill in what
+# Quire reads; other text model types must spell out the shape. The top-level defaults are LlavaConfig's.
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+                   "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+_TEXT_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_CLIP_VISION_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                         "num_attention_heads": 12, "image_size": 224, "patch_size": 32, "num_channels": 3,
+                         "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"}
+_CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+def _sub_config(hf: dict[str, Any], key: str) -> dict[str, Any]:
+    sub = hf.get(key)
+    if not isinstance(sub, dict):
+        raise ConfigError(f"{key} is missing from config.json")
+    return sub
+
+
+def llava_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json fields, Llama's defaults filled in; ``tie_word_embeddings`` as
+    LlavaConfig reads it (either level may set it)."""
+    text = _sub_config(hf, "text_config")
+    if text.get("model_type", "llama") == "llama":
+        text = {**_LLAMA_DEFAULTS, **text}
+    missing = [key for key in _TEXT_SHAPE_KEYS if key not in text]
+    if missing:
+        raise ConfigError(f"text_config has no {', '.join(missing)}")
+    return {**text, "tie_word_embeddings": bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings"))}
+
+
+def llava_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields, ``image_token_id`` and ``multimodal_config`` (what ``models.llava`` reads):
+
+    ``vision_config``: the CLIP tower's shape (the keys of ``_CLIP_VISION_DEFAULTS``);
+    ``vision_feature_layer``: the index of the hidden state fed to the projector, counted from the embeddings
+    (0) up, so also the number of encoder layers that run; ``vision_feature_select_strategy``: ``default``
+    drops the class token, ``full`` keeps it; ``projector_hidden_act``, ``projector_bias``;
+    ``num_image_tokens``: the embeddings one image becomes.
+    """
+    text_type = (hf.get("text_config") or {}).get("model_type", "llama")
+    if text_type not in _LLAVA_TEXT_FIELDS:
+        raise ConfigError(f"text_config.model_type {text_type!r} is not supported under LLaVA (supported: "
+                          f"{', '.join(_LLAVA_TEXT_FIELDS)})")
+    text = llava_text_config(hf)
+    try:
+        fields = _LLAVA_TEXT_FIELDS[text_type](text)
+    except ConfigError as error:
+        raise ConfigError(f"text_config: {error}") from error
+    vision_type = (hf.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type != "clip_vision_model":
+        raise ConfigError(f"vision_config.model_type {vision_type!r} is not supported (only clip_vision_model)")
+    vision = _sub_config(hf, "vision_config")
+    vision = {key: vision.get(key, default) for key, default in _CLIP_VISION_DEFAULTS.items()}
+    if vision["hidden_act"] not in _CLIP_ACTIVATIONS:
+        raise ConfigError(f"vision_config.hidden_act {vision['hidden_act']!r} is not supported "
+                          f"(supported: {', '.join(_CLIP_ACTIVATIONS)})")
+    feature_layer = _vision_feature_layer(hf.get("vision_feature_layer", -2), vision["num_hidden_layers"])
+    strategy = hf.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ConfigError(f"vision_feature_select_strategy must be default or full, got {strategy!r}")
+    projector_act = hf.get("projector_hidden_act", "gelu")
+    if projector_act != "gelu":
+        raise ConfigError(f"projector_hidden_act {projector_act!r} is not supported (only gelu)")
+    image_token_id = hf.get("image_token_index", hf.get("image_token_id", 32000))
+    if not isinstance(image_token_id, int) or isinstance(image_token_id, bool):
+        raise ConfigError(f"image_token_index must be a token id, got {image_token_id!r}")
+    num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    return {**fields, "image_token_id": image_token_id, "multimodal_config": {
+        "vision_config": vision,
+        "vision_feature_layer": feature_layer,
+        "vision_feature_select_strategy": strategy,
+        "projector_hidden_act": projector_act,
+        "projector_bias": bool(hf.get("multimodal_projector_bias", True)),
+        "num_image_tokens": num_patches + (strategy == "full"),
+    }}
+
+
+def _vision_feature_layer(layer: Any, num_layers: int) -> int:
+    """``vision_feature_layer`` as an index into the tower's ``num_layers + 1`` hidden states (negative ones
+    count from the last layer's output, as in transformers)."""
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ConfigError(f"vision_feature_layer must be one layer index, got {layer!r} (features concatenated "
+                          "from several layers are not supported)")
+    if not -(num_layers + 1) <= layer <= num_layers:
+        raise ConfigError(f"vision_feature_layer {layer} is outside the vision tower's {num_layers} layers")
+    return layer % (num_layers + 1)
+
+
+def _llava_unused_weight(name: str, config: ModelConfig) -> bool:
+    """The tower's layers past the feature layer, and its post-layernorm (which only CLIP's pooled output
+    uses), are not built."""
+    if name.startswith("vision_tower.post_layernorm."):
+        return True
+    prefix = "vision_tower.encoder.layers."
+    if not name.startswith(prefix):
+        return False
+    return int(name[len(prefix):].split(".", 1)[0]) >= config.multimodal_config["vision_feature_layer"]
+
+
+def _vision_hidden_size(config: ModelConfig) -> int:
+    return config.multimodal_config["vision_config"]["hidden_size"]
+
+
+# The model's names are those transformers 5.x saves: a LlamaForCausalLM under ``language_model`` and the CLIP
+# tower without the ``vision_model`` level of 4.x files (llava-hf's on the Hub); transformers 5.x's module
+# names (``model.language_model.``, ``lm_head.``, …) are read too.
+LLAVA_WEIGHTS = WeightMapping(
+    fused=(*(dataclasses.replace(fused, scope="language_model.") for fused in LLAMA_WEIGHTS.fused),
+           FusedWeight(".qkv_proj.", ((".q_proj.", _vision_hidden_size), (".k_proj.", _vision_hidden_size),
+                                      (".v_proj.", _vision_hidden_size)), scope="vision_tower.")),
+    skipped_suffixes=LLAMA_WEIGHTS.skipped_suffixes,
+    tied_names=("language_model.lm_head.weight",),
+    renamed_prefixes=(
+        ("model.language_model.", "language_model.model."),  # transformers 5.x module names
+        ("lm_head.", "language_model.lm_head."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("vision_tower.vision_model.", "vision_tower."),  # transformers 4.x files
+    ),
+    is_unused=_llava_unused_weight,
+)
+register_model(ModelEntry("LlavaForConditionalGeneration", "quire.core.models.llava", "LlavaForConditionalGeneration",
+                          llava_fields, LLAVA_WEIGHTS, model_types=("llava",), text_config=llava_text_config))

@@ -106,8 +106,9 @@ class LlamaModel(nn.Module):
         # run every layer in one C++ call.
         self.decode_stack = None
 
-    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, metadata, inputs_embeds=None) -> torch.Tensor:
+        """``inputs_embeds`` (``[num_tokens, hidden_size]``), when given, replaces the token embedding lookup."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self.rotary.factors(positions, hidden.dtype)  # once per step, for every layer
         if self.decode_stack is not None:
             stack_inputs = self.backend.decode_stack_inputs(metadata)  # None unless every token is a decode
@@ -166,9 +167,15 @@ class LlamaForCausalLM(nn.Module):
                         else Linear(config.hidden_size, config.vocab_size, False, dtype))
         self._tied_head_packed: linear_ops.PackedLinear | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``inputs_embeds`` (``[num_tokens, hidden_size]`` in the model's dtype), when given, replaces the
+        token embedding lookup (prompts whose image placeholders carry image embeddings)."""
+        return self.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``forward`` would look up: ``[num_tokens, hidden_size]``."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

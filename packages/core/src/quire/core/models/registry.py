@@ -25,11 +25,16 @@ class FusedWeight:
 
     A checkpoint tensor whose name contains ``parts[i][0]`` is renamed with ``fused_part`` in its place and
     lands at the sum of the row counts of ``parts[:i]``; e.g. ``.k_proj.`` → ``.qkv_proj.`` after the
-    query rows.
+    query rows. ``scope``: only names that start with it (a model made of parts shaped differently, such as
+    a vision tower beside a language model, fuses each part with its own row counts).
     """
 
     fused_part: str
     parts: tuple[tuple[str, RowCount], ...]
+    scope: str = ""
+
+    def applies_to(self, name: str) -> bool:
+        return name.startswith(self.scope)
 
     def offsets(self, config: ModelConfig) -> list[tuple[str, int]]:
         """``(checkpoint name part, first row)`` of every part, in order."""
@@ -44,20 +49,38 @@ class FusedWeight:
 class WeightMapping:
     """How checkpoint tensor names become ``(parameter name, first row)`` of a model's parameters.
 
+    ``renamed_prefixes``: ``(checkpoint prefix, model prefix)`` pairs; the first that starts a name replaces
+    its prefix before anything else is looked at (one model class reading several checkpoint layouts).
     ``skipped_suffixes``: tensors the model recomputes instead of loading (rotary inverse frequencies).
     ``tied_names``: tensors a model with ``tie_word_embeddings`` ignores, since it reuses the embedding.
+    ``is_unused``: tensors of parts this config's model does not build (e.g. vision layers past the one
+    whose output the model reads), by model name.
     """
 
     fused: tuple[FusedWeight, ...] = ()
     skipped_suffixes: tuple[str, ...] = ()
     tied_names: tuple[str, ...] = ()
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    is_unused: Callable[[str, ModelConfig], bool] | None = None
+
+    def rename(self, name: str) -> str:
+        """The checkpoint name in the model's layout."""
+        for prefix, model_prefix in self.renamed_prefixes:
+            if name.startswith(prefix):
+                return model_prefix + name[len(prefix):]
+        return name
 
     def is_skipped(self, name: str, config: ModelConfig) -> bool:
-        return name.endswith(self.skipped_suffixes) or (config.tie_word_embeddings and name in self.tied_names)
+        name = self.rename(name)
+        return (name.endswith(self.skipped_suffixes) or (config.tie_word_embeddings and name in self.tied_names)
+                or (self.is_unused is not None and self.is_unused(name, config)))
 
     def target(self, name: str, config: ModelConfig) -> tuple[str, int]:
         """The parameter a checkpoint tensor fills and the row it starts at."""
+        name = self.rename(name)
         for fused in self.fused:
+            if not fused.applies_to(name):
+                continue
             for name_part, offset in fused.offsets(config):
                 if name_part in name:
                     return name.replace(name_part, fused.fused_part), offset
@@ -67,7 +90,7 @@ class WeightMapping:
         """Every ``(parameter name, first row)`` a complete checkpoint fills."""
         expected = set()
         for name in parameter_names:
-            fused = next((f for f in self.fused if f.fused_part in name), None)
+            fused = next((f for f in self.fused if f.applies_to(name) and f.fused_part in name), None)
             offsets = [offset for _, offset in fused.offsets(config)] if fused else [0]
             expected.update((name, offset) for offset in offsets)
         return expected
@@ -81,7 +104,9 @@ class ModelEntry:
     fields (``qkv_bias``, ``o_proj_bias``, ``qk_norm``, …) and raises ConfigError for variants the model
     class cannot run; the fields every architecture shares are read by ``ModelConfig.from_hf`` itself.
     ``model_types`` are the ``model_type`` values that name this architecture in a config.json that lists
-    no ``architectures``. The model class is built as ``cls(model_config, attention_backend)``.
+    no ``architectures``. ``text_config(hf)``, for configs that nest the language model's (vision-language
+    models), returns that nested dict, complete, for ``ModelConfig.from_hf`` to read the shared fields from.
+    The model class is built as ``cls(model_config, attention_backend)``.
     """
 
     architecture: str
@@ -90,6 +115,7 @@ class ModelEntry:
     config_fields: Callable[[dict[str, Any]], dict[str, Any]]
     weights: WeightMapping
     model_types: tuple[str, ...] = ()
+    text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def model_class(self) -> type:
         return getattr(importlib.import_module(self.module_name), self.class_name)

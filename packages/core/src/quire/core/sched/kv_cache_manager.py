@@ -98,7 +98,7 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         return extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                                   request.cache_salt)
+                                   request.cache_salt, request.mm_features)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         # NOTE: blocks are registered when their slots are allocated, before the step computes them;

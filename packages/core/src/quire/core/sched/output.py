@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from quire.core.sampling_params import SamplingParams
-from quire.core.wire import Logprobs
+from quire.core.wire import Logprobs, MultiModalFeature
 
 
 @dataclasses.dataclass
@@ -21,6 +21,7 @@ class NewRequestData:
     bad_words_token_ids: list[list[int]]
     block_ids: list[int]
     num_computed_tokens: int
+    mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)  # the prompt's images
 
 
 @dataclasses.dataclass
@@ -44,6 +45,10 @@ class SchedulerOutput:
     # Structured outputs: the ids of the constrained requests that sample in this step, and their rows of
     # the token bitmask (int32 ``[len(ids), ceil(vocab / 32)]``, one bit per allowed token); None if none.
     grammar_bitmask: tuple[list[str], Any] | None = None
+    # Multimodal items: per request, the indices (into its ``mm_features``) of the items whose encoder runs
+    # in this step, and the identifiers of encoder outputs the runner may drop (before encoding).
+    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    freed_encoder_identifiers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

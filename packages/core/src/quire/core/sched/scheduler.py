@@ -7,6 +7,11 @@ first; waiting requests are admitted only if no request was preempted in this st
 out, a running request chosen by the policy (FCFS: the latest admitted; priority: the lowest priority)
 is preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 
+A prompt's images (``mm_features``) need their encoder outputs when their placeholder tokens are scheduled:
+the encoder cache (``EncoderCacheManager``) says which are held, and each step encodes at most a budget of
+placeholder tokens, so a burst of large images cannot blow one step's memory; a request whose next image
+does not fit computes up to it and waits. Chunks may end inside an image's placeholders.
+
 A request with a structured-output constraint waits apart (``waiting_for_grammar``) until its grammar
 has compiled, then joins the waiting queue in arrival order; nobody else waits for it. Each sampled token
 advances its grammar, and a terminated grammar finishes the request (``stop``).
@@ -19,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from quire.core.config import SchedulerConfig
 from quire.core.request import Request, RequestStatus
+from quire.core.sched.encoder_cache import EncoderCacheManager
 from quire.core.sched.kv_cache_manager import KVCacheManager
 from quire.core.sched.output import (
     CachedRequestData,
@@ -39,6 +45,8 @@ class Scheduler:
         self.config = config
         self.clock = clock  # the clock of Request.arrival_time (wall time, shared by the processes)
         self.kv_cache_manager = kv_cache_manager
+        # encoder outputs held by the runner, in placeholder tokens (an item alone may exceed it)
+        self.encoder_cache = EncoderCacheManager(config.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
@@ -126,10 +134,15 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         for request_id, num_tokens in step.num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            for feature in request.mm_features:  # computed into the KV cache: the output may go
+                if feature.offset + feature.length <= request.num_computed_tokens:
+                    self.encoder_cache.release(request, feature.identifier)
         self._last_num_scheduled_tokens = step.total
         return SchedulerOutput(step.new, list(step.cached.values()), step.num_scheduled,
-                               self.take_removed_request_ids())
+                               self.take_removed_request_ids(), scheduled_encoder_inputs=step.encoder_inputs,
+                               freed_encoder_identifiers=self.encoder_cache.take_freed())
 
     def take_removed_request_ids(self) -> set[str]:
         """Ids finished or preempted since the last call, which the model runner must drop."""
@@ -152,6 +165,10 @@ class Scheduler:
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(request, step.budget)
+            encoder_plan = None
+            if request.mm_features and num_new_tokens > 0:
+                num_new_tokens, encoder_plan = self._plan_encoder_inputs(
+                    request, request.num_computed_tokens, num_new_tokens, step)
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -164,6 +181,8 @@ class Scheduler:
                     break
             if block_ids is None:
                 continue  # the request preempted itself; `index` now points at its successor
+            if encoder_plan is not None:
+                self._commit_encoder_inputs(request, encoder_plan, step)
             step.cached[request.request_id] = CachedRequestData(
                 request.request_id, block_ids, request.num_computed_tokens)
             step.add(request.request_id, num_new_tokens)
@@ -176,8 +195,16 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, step.budget, num_cached)
+            encoder_plan = None
+            if request.mm_features:
+                num_new_tokens, encoder_plan = self._plan_encoder_inputs(
+                    request, request.num_computed_tokens + num_cached, num_new_tokens, step)
+                if num_new_tokens <= 0:
+                    break  # its next image does not fit in this step's encoder budget
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
+            if encoder_plan is not None:
+                self._commit_encoder_inputs(request, encoder_plan, step)
             self.waiting.pop()
             if request.num_computed_tokens == 0 and not request.skip_prefix_cache:
                 self.kv_cache_manager.record_lookup(request.num_tokens, num_cached)
@@ -196,6 +223,7 @@ class Scheduler:
                 bad_words_token_ids=request.bad_words_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                mm_features=request.mm_features,
             ))
             step.add(request.request_id, num_new_tokens)
 
@@ -205,6 +233,44 @@ class Scheduler:
         if threshold and self.num_unfinished_requests > 1:
             num_new_tokens = min(num_new_tokens, threshold)
         return num_new_tokens
+
+    def _plan_encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int,
+                             step: _StepPlan) -> tuple[int, tuple[list[str], list[int]]]:
+        """The tokens the request may compute given its images, with the cached outputs it takes (hits) and
+        the items to encode in this step; nothing is committed. An image that neither is cached nor fits
+        the step's encoder budget and the encoder cache cuts the tokens short before it."""
+        cache = self.encoder_cache
+        hits, to_encode = [], []
+        budget, size = step.encoder_budget, 0
+        end = num_computed + num_new_tokens
+        for index, feature in enumerate(request.mm_features):
+            if feature.offset >= end:
+                break
+            identifier = feature.identifier
+            if (feature.offset + feature.length <= num_computed or cache.is_referenced_by(request, identifier)
+                    or identifier in hits or any(request.mm_features[i].identifier == identifier for i in to_encode)):
+                continue  # computed already, held for this request, or taken earlier in this plan
+            if cache.is_cached(identifier):
+                hits.append(identifier)
+                continue
+            fits = feature.length <= budget or not (step.encoder_inputs or to_encode)
+            if not (fits and cache.can_allocate(size + feature.length)):
+                return feature.offset - num_computed, (hits, to_encode)
+            to_encode.append(index)
+            budget -= feature.length
+            size += feature.length
+        return num_new_tokens, (hits, to_encode)
+
+    def _commit_encoder_inputs(self, request: Request, plan: tuple[list[str], list[int]], step: _StepPlan) -> None:
+        hits, to_encode = plan
+        for identifier in hits:
+            self.encoder_cache.take_hit(request, identifier)
+        for index in to_encode:
+            feature = request.mm_features[index]
+            self.encoder_cache.allocate(request, feature.identifier, feature.length)
+            step.encoder_budget -= feature.length
+        if to_encode:
+            step.encoder_inputs[request.request_id] = to_encode
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -252,14 +318,19 @@ class Scheduler:
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            mm_cache_queries=self.encoder_cache.num_queries,
+            mm_cache_hits=self.encoder_cache.num_hits,
         )
 
     # -- helpers -----------------------------------------------------------------------------
 
     def _preempt(self, request: Request, step: _StepPlan) -> None:
         self.running.remove(request)
-        step.unschedule(request.request_id)
+        not_encoded = step.unschedule(request.request_id)
         self.kv_cache_manager.free(request)
+        self.encoder_cache.release_all(request)
+        for index in not_encoded:  # allocated for this step, which no longer runs the encoder for them
+            self.encoder_cache.forget(request.mm_features[index].identifier)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -270,6 +341,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache.release_all(request)
         del self.requests[request.request_id]
         self._removed_request_ids.add(request.request_id)
 
@@ -299,16 +371,20 @@ class _StepPlan:
         self.cached: dict[str, CachedRequestData] = {}
         self.new: list[NewRequestData] = []
         self.preempted = False
+        self.encoder_budget = budget  # placeholder tokens the encoder may process in this step
+        self.encoder_inputs: dict[str, list[int]] = {}
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled[request_id] = num_tokens
         self.budget -= num_tokens
         self.total += num_tokens
 
-    def unschedule(self, request_id: str) -> None:
-        """Forget a request preempted after it was scheduled (possible under the priority policy)."""
+    def unschedule(self, request_id: str) -> list[int]:
+        """Forget a request preempted after it was scheduled (possible under the priority policy); return
+        the items it was to encode."""
         self.preempted = True
         num_tokens = self.num_scheduled.pop(request_id, 0)
         self.cached.pop(request_id, None)
         self.budget += num_tokens
         self.total -= num_tokens
+        return self.encoder_inputs.pop(request_id, [])

@@ -22,6 +22,7 @@ from quire.core.worker.gpu_memory import describe_kernels, profile_kv_blocks, re
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.logits_processors import GRAMMAR_BITMASK
+from quire.core.worker.multimodal import EncoderOutputs
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.encoder_outputs = EncoderOutputs(self.model, self.device) if model_config.is_multimodal else None
 
     def num_kv_blocks(self) -> int:
         """KV blocks to allocate: from ``kv_cache_memory`` or the CPU default, or on CUDA devices from a
@@ -114,8 +116,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
         inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
+        embeds = self._input_embeds(inputs) if self.encoder_outputs is not None else None
         timings.mark("prepare_inputs")
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs, embeds)
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
@@ -126,8 +129,19 @@ class ModelRunner:
         timings.mark("sampling")
         return output
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _input_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Input embeddings with the images' encoder outputs on their placeholder tokens (None: no image
+        token in this step)."""
+        request_ids = [self.input_batch.req_ids[row] for row in inputs.rows.tolist()]
+        return self.encoder_outputs.input_embeds(inputs.input_ids, request_ids, inputs.query_start_loc,
+                                                 inputs.positions)
+
+    def _forward(self, inputs: StepInputs, embeds: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        if embeds is not None:
+            if inputs.use_cuda_graph:  # a one-token chunk of an image: graphs replay token ids only
+                self.attn_backend.prepare(inputs.attn_metadata)
+            return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, inputs_embeds=embeds)
         if inputs.use_cuda_graph:
             return self.cuda_graphs.run(inputs.input_ids, positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata)
@@ -179,12 +193,16 @@ class ModelRunner:
     def remove_requests(self, request_ids) -> None:
         for request_id in request_ids:
             self.input_batch.remove(request_id)
+        if self.encoder_outputs is not None:
+            self.encoder_outputs.remove_requests(request_ids)
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         self.remove_requests(scheduler_output.finished_request_ids)
         for data in scheduler_output.new_requests:
             batch.add(data)
+        if self.encoder_outputs is not None:
+            self.encoder_outputs.update(scheduler_output)
         for data in scheduler_output.cached_requests:
             row = batch.index[data.request_id]
             batch.append_blocks(row, data.new_block_ids)
