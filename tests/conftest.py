@@ -101,6 +101,15 @@ def llava_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl_checkpoint(tmp_path_factory):
+    """Folder of a tiny Qwen2.5-VL checkpoint (windowed vision tower, M-RoPE) with its processor's files (Qwen2-VL
+    image processor, vision tokens, chat template with image parts), built once per session."""
+    from quire.core.testing.multimodal_checkpoints import build_qwen2_5_vl_checkpoint
+
+    return build_qwen2_5_vl_checkpoint(tmp_path_factory.mktemp("ckpt-qwen2-5-vl"))
+
+
+@pytest.fixture(scope="session")
 def llava_server(llava_checkpoint, tmp_path_factory):
     """The real server on the tiny LLaVA checkpoint in float32 (debug routes on), shared by every image test.
 

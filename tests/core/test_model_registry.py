@@ -79,6 +79,8 @@ def test_registry_and_config_import_no_torch_and_classes_load_lazily():
             "from quire.core.models import supported_architectures; supported_architectures(); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert supported_architectures() == sorted([*ARCHITECTURES, "LlavaForConditionalGeneration"])
+    assert supported_architectures() == sorted([*ARCHITECTURES, "LlavaForConditionalGeneration",
+                                                "Qwen2_5_VLForConditionalGeneration"])
     assert {get_model_class(name).__name__ for name in ARCHITECTURES} == {"LlamaForCausalLM"}
     assert get_model_class("LlavaForConditionalGeneration").__name__ == "LlavaForConditionalGeneration"
+    assert get_model_class("Qwen2_5_VLForConditionalGeneration").__name__ == "Qwen2_5_VLForConditionalGeneration"

@@ -189,3 +189,131 @@ LLAVA_WEIGHTS = WeightMapping(
 )
 register_model(ModelEntry("LlavaForConditionalGeneration", "quire.core.models.llava", "LlavaForConditionalGeneration",
                           llava_fields, LLAVA_WEIGHTS, model_types=("llava",), text_config=llava_text_config))
+
+
+# Qwen2.5-VL: a windowed-attention vision transformer whose merged patches feed a Qwen2 language model that
+# rotates by three position rows (M-RoPE). Checkpoints nest the language model's config in ``text_config``
+# (transformers 5.x) or keep it at the top level (4.x, the Hub's files).
+_QWEN_VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16,
+                         "in_channels": 3, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                         "window_size": 112, "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+                         "hidden_act": "silu"}
+_QWEN_VL_TEXT_THETA = 1000000.0  # Qwen2_5_VLTextConfig's default rope_theta
+
+
+def _token_id(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{field} must be a token id, got {value!r}")
+    return value
+
+
+def _text_rope(text: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (5.x) or ``rope_scaling`` (4.x, whose ``mrope`` type means the default frequencies)."""
+    return dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+
+
+def _qwen_vl_raw_text(hf: dict[str, Any]) -> dict[str, Any]:
+    return {**{key: value for key, value in hf.items() if key not in ("text_config", "vision_config")},
+            **(hf.get("text_config") or {})}
+
+
+def qwen2_5_vl_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json fields: ``text_config`` over the top level (either may hold them), the
+    rotary parameters as plain default rope (M-RoPE's split is in ``multimodal_config``); ``tie_word_embeddings``
+    as Qwen2_5_VLConfig reads it (either level may set it)."""
+    text = _qwen_vl_raw_text(hf)
+    missing = [key for key in _TEXT_SHAPE_KEYS if key not in text]
+    if missing:
+        raise ConfigError(f"text_config has no {', '.join(missing)}")
+    rope = _text_rope(text)
+    theta = rope.get("rope_theta", text.get("rope_theta", _QWEN_VL_TEXT_THETA))
+    return {**text, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None,
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings"))}
+
+
+def qwen2_5_vl_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's fields, ``image_token_id`` and ``multimodal_config`` (what ``models.qwen2_5_vl`` reads):
+
+    ``vision_config``: the vision tower's shape (the keys of ``_QWEN_VISION_DEFAULTS``, 4.x's ``in_chans`` read as
+    ``in_channels``) and ``rope_theta``; ``mrope_section``: how many of the language model's rotary frequencies
+    follow each of the t, h and w position rows (summing to ``head_dim // 2``).
+    """
+    text = qwen2_5_vl_text_config(hf)
+    prefix = "text_config." if hf.get("text_config") else ""
+    try:
+        fields = qwen2_fields(text)
+    except ConfigError as error:
+        raise ConfigError(f"{prefix}{error}") from error
+    rope = _text_rope(_qwen_vl_raw_text(hf))
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{prefix}rope_parameters.rope_type {rope_type!r} is not supported (only default M-RoPE)")
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    section = rope.get("mrope_section", [16, 24, 24])  # Qwen2_5_VLRotaryEmbedding's default
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(n, int) and n > 0 for n in section) or sum(section) != head_dim // 2):
+        raise ConfigError(f"{prefix}rope_parameters.mrope_section must be three positive counts summing to "
+                          f"head_dim // 2 = {head_dim // 2}, got {section!r}")
+    return {**fields, "image_token_id": _token_id(hf.get("image_token_id", 151655), "image_token_id"),
+            "multimodal_config": {"vision_config": _qwen_vision_config(hf, text), "mrope_section": list(section)}}
+
+
+def _qwen_vision_config(hf: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    raw = _sub_config(hf, "vision_config")
+    vision_type = raw.get("model_type", "qwen2_5_vl_vision")
+    if vision_type not in ("qwen2_5_vl_vision", "qwen2_5_vl"):
+        raise ConfigError(f"vision_config.model_type {vision_type!r} is not supported (only qwen2_5_vl_vision)")
+    raw = {**raw, "in_channels": raw.get("in_channels", raw.get("in_chans", 3))}
+    vision = {key: raw.get(key, default) for key, default in _QWEN_VISION_DEFAULTS.items()}
+    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                "temporal_patch_size", "spatial_merge_size", "window_size", "out_hidden_size"):
+        if not isinstance(vision[key], int) or isinstance(vision[key], bool) or vision[key] < 1:
+            raise ConfigError(f"vision_config.{key} must be a positive integer, got {vision[key]!r}")
+    if vision["hidden_act"] != "silu":
+        raise ConfigError(f"vision_config.hidden_act {vision['hidden_act']!r} is not supported (only silu)")
+    head_dim, remainder = divmod(vision["hidden_size"], vision["num_heads"])
+    if remainder or head_dim % 4:
+        raise ConfigError(f"vision_config.num_heads {vision['num_heads']} must split hidden_size "
+                          f"{vision['hidden_size']} into heads whose size is a multiple of 4 (2-D rotary)")
+    if vision["window_size"] < vision["spatial_merge_size"] * vision["patch_size"]:
+        raise ConfigError(f"vision_config.window_size {vision['window_size']} is smaller than one merged patch "
+                          f"({vision['spatial_merge_size']} x {vision['patch_size']} pixels)")
+    indexes = vision["fullatt_block_indexes"]
+    if not isinstance(indexes, (list, tuple)) or not all(
+            isinstance(i, int) and 0 <= i < vision["depth"] for i in indexes):
+        raise ConfigError(f"vision_config.fullatt_block_indexes must be block indexes below depth "
+                          f"{vision['depth']}, got {indexes!r}")
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise ConfigError(f"vision_config.out_hidden_size {vision['out_hidden_size']} differs from the language "
+                          f"model's hidden_size {text['hidden_size']}")
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"vision_config.rope_parameters.rope_type {rope['rope_type']!r} is not supported "
+                          "(only axial)")
+    return {**vision, "fullatt_block_indexes": list(indexes), "rope_theta": float(rope.get("rope_theta", 10000.0))}
+
+
+def _qwen_vision_intermediate_size(config: ModelConfig) -> int:
+    return config.multimodal_config["vision_config"]["intermediate_size"]
+
+
+# The model's names are the Hub's (``visual.``; the language model's ``model.`` and ``lm_head.``, which
+# transformers 5.24 also saves) under a ``language_model`` LlamaForCausalLM; transformers 5.x's module names
+# (``model.language_model.``, ``model.visual.``) are read too. The vision blocks' gate/up are fused like the
+# language model's; their q/k/v come fused already (``attn.qkv``).
+QWEN2_5_VL_WEIGHTS = WeightMapping(
+    fused=(*(dataclasses.replace(fused, scope="language_model.") for fused in LLAMA_WEIGHTS.fused),
+           FusedWeight(".gate_up_proj.", ((".gate_proj.", _qwen_vision_intermediate_size),
+                                          (".up_proj.", _qwen_vision_intermediate_size)), scope="visual.")),
+    skipped_suffixes=LLAMA_WEIGHTS.skipped_suffixes,
+    tied_names=("language_model.lm_head.weight",),
+    renamed_prefixes=(
+        ("model.language_model.", "language_model.model."),  # transformers 5.x module names
+        ("model.visual.", "visual."),
+        ("model.", "language_model.model."),  # the Hub's files
+        ("lm_head.", "language_model.lm_head."),
+    ),
+)
+register_model(ModelEntry("Qwen2_5_VLForConditionalGeneration", "quire.core.models.qwen2_5_vl",
+                          "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl_fields, QWEN2_5_VL_WEIGHTS,
+                          model_types=("qwen2_5_vl",), text_config=qwen2_5_vl_text_config))

@@ -92,10 +92,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    """``rotary``: the rotary table ``forward`` reads positions from (default: ``RotaryEmbedding`` of the config's
+    rope; Qwen2.5-VL gives its M-RoPE one)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(config.head_dim, config.max_model_len,
+                                                                        config.rope)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
         )
@@ -156,13 +161,13 @@ def _stack_weight(linear: Linear):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` logits
-    in the model's dtype."""
+    in the model's dtype (``rotary``: see ``LlamaModel``)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding | None = None):
         super().__init__()
         dtype = getattr(torch, config.dtype)
         self.config = config
-        self.model = LlamaModel(config, backend, dtype)
+        self.model = LlamaModel(config, backend, dtype, rotary)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype))
         self._tied_head_packed: linear_ops.PackedLinear | None = None

@@ -43,7 +43,9 @@ class MultiModalProcessor:
 
         try:
             hf_processor = AutoProcessor.from_pretrained(model.path)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, ImportError) as error:
+            # NOTE: ImportError: transformers' Qwen2.5-VL processor builds a video processor, which needs
+            # torchvision even for images
             raise ConfigError(f"the model takes images but its processor could not be loaded: {error}") from None
         if getattr(hf_processor, "image_processor", None) is None:
             raise ConfigError(f"the model takes images but {type(hf_processor).__name__} has no image processor")

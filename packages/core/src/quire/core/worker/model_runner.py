@@ -22,7 +22,7 @@ from quire.core.worker.gpu_memory import describe_kernels, profile_kv_blocks, re
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.logits_processors import GRAMMAR_BITMASK
-from quire.core.worker.multimodal import EncoderOutputs
+from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 
@@ -90,6 +90,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         self.encoder_outputs = EncoderOutputs(self.model, self.device) if model_config.is_multimodal else None
+        self.mrope = MRopePositions(self.model) if getattr(self.model, "uses_mrope", False) else None
 
     def num_kv_blocks(self) -> int:
         """KV blocks to allocate: from ``kv_cache_memory`` or the CPU default, or on CUDA devices from a
@@ -137,9 +138,13 @@ class ModelRunner:
                                                  inputs.positions)
 
     def _forward(self, inputs: StepInputs, embeds: torch.Tensor | None = None) -> torch.Tensor:
-        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
-        if embeds is not None:
-            if inputs.use_cuda_graph:  # a one-token chunk of an image: graphs replay token ids only
+        positions = inputs.positions
+        if self.mrope is not None:  # rotary positions: three rows while a prompt with images is computed
+            request_ids = [self.input_batch.req_ids[row] for row in inputs.rows.tolist()]
+            positions = self.mrope.positions(request_ids, inputs.query_start_loc, positions)
+        positions = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        if embeds is not None or positions.dim() == 2:
+            if inputs.use_cuda_graph:  # a one-token chunk of an image: graphs replay token ids and 1-D positions
                 self.attn_backend.prepare(inputs.attn_metadata)
             return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, inputs_embeds=embeds)
         if inputs.use_cuda_graph:
@@ -195,6 +200,8 @@ class ModelRunner:
             self.input_batch.remove(request_id)
         if self.encoder_outputs is not None:
             self.encoder_outputs.remove_requests(request_ids)
+        if self.mrope is not None:
+            self.mrope.remove_requests(request_ids)
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -203,6 +210,9 @@ class ModelRunner:
             batch.add(data)
         if self.encoder_outputs is not None:
             self.encoder_outputs.update(scheduler_output)
+        if self.mrope is not None:
+            for data in scheduler_output.new_requests:
+                self.mrope.add(data.request_id, data.token_ids[:data.num_prompt_tokens], data.mm_features)
         for data in scheduler_output.cached_requests:
             row = batch.index[data.request_id]
             batch.append_blocks(row, data.new_block_ids)

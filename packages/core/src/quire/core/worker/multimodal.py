@@ -75,3 +75,46 @@ class EncoderOutputs:
                                  "placeholder tokens")
             self.outputs[feature.identifier] = output
         return output
+
+
+class MRopePositions:
+    """Rotary positions of models with multimodal rotary embeddings (``model.uses_mrope``: Qwen2-VL family).
+
+    A prompt with images has three position rows (t, h, w), computed once per request by
+    ``model.mrope_positions``; a token after the prompt at sequence index ``p`` has position ``p + delta`` on
+    every row. Text-only prompts keep their sequence indices (delta 0).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.prompts: dict[str, tuple[np.ndarray, int]] = {}  # per request id with images
+
+    def add(self, request_id: str, prompt_token_ids: list[int], features: list[MultiModalFeature]) -> None:
+        if features:
+            grids = [tuple(int(v) for v in f.data["image_grid_thw"].to_array().reshape(-1)) for f in features]
+            self.prompts[request_id] = self.model.mrope_positions(prompt_token_ids, grids)
+
+    def remove_requests(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.prompts.pop(request_id, None)
+
+    def positions(self, request_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The step's rotary positions: ``positions`` (sequence indices, 1-D) where they are the rotary
+        positions (text-only prompts), else per token: its prompt row of the three, or ``p + delta``; 1-D when
+        the three rows agree (decode steps: the C++ decode stack and CUDA graphs take 1-D positions)."""
+        rows = None
+        for i, request_id in enumerate(request_ids):
+            prompt = self.prompts.get(request_id)
+            if prompt is None:
+                continue
+            if rows is None:
+                rows = np.repeat(positions[None, :], 3, axis=0)
+            prompt_positions, delta = prompt
+            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            indices = positions[start:end]
+            in_prompt = indices < prompt_positions.shape[1]
+            clipped = np.minimum(indices, prompt_positions.shape[1] - 1)
+            rows[:, start:end] = np.where(in_prompt, prompt_positions[:, clipped], indices + delta)
+        if rows is None:
+            return positions
+        return rows[0].copy() if (rows == rows[0]).all() else rows
