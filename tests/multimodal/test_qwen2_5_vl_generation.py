@@ -113,3 +113,24 @@ def test_greedy_ids_equal_transformers(qwen2_5_vl_checkpoint, prompts, reference
     got = [tokens[request.request_id] for request in requests]
     assert_greedy_agrees(got, reference, [ids for ids, _ in prompts], NUM_TOKENS)
     assert got == [expected for expected, _ in reference]
+
+
+def test_the_front_end_renders_and_expands_images_without_transformers_processor(qwen2_5_vl_checkpoint, prompts,
+                                                                                 reference):
+    """``LLM`` on the folder (the image processor and tokenizer stand in for the processor class, which needs
+    torchvision here): a text prompt and a chat with the same images give the same token ids as the
+    hand-built requests, and the same greedy output as transformers."""
+    from quire.offline import LLM
+
+    llm = LLM(str(qwen2_5_vl_checkpoint), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    for (ids, _), (expected, _), pieces in zip(prompts[:2], reference, PROMPTS):
+        text = "".join(piece if isinstance(piece, str) else placeholder for piece in pieces)
+        images = [sample_image(*piece) for piece in pieces if not isinstance(piece, str)]
+        out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": sample_image(*PROMPTS[0][1])},
+                                                  {"type": "text", "text": "def area(self):"}]}], params,
+                    use_tqdm=False)[0]
+    assert chat.prompt_token_ids == prompts[0][0] and chat.outputs[0].token_ids == reference[0][0]

@@ -4,7 +4,6 @@ transformers' logits, text prompts decode as transformers' generate does, and bo
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import numpy as np
@@ -223,13 +222,7 @@ def test_decode_stack_rotates_by_mrope_positions(qwen2_5_vl_checkpoint, corpus_t
     assert (as_text - logits[1]).abs().max() > 1e-2  # the rows mattered
 
 
-def test_text_only_greedy_equals_transformers(qwen2_5_vl_checkpoint, hf_model, corpus_token_ids, monkeypatch):
-    if importlib.util.find_spec("torchvision") is None:
-        # NOTE: transformers 5's Qwen2_5_VLProcessor needs a video processor, and every video processor needs
-        # torchvision; text prompts never reach the processor, so the front end goes without one here.
-        from quire.core.multimodal.processing import MultiModalProcessor
-
-        monkeypatch.setattr(MultiModalProcessor, "from_model", classmethod(lambda cls, model, config: None))
+def test_text_only_greedy_equals_transformers(qwen2_5_vl_checkpoint, hf_model, corpus_token_ids):
     prompts = [corpus_token_ids[i * 500:i * 500 + n] for i, n in enumerate((1, 6, 37, 130))]
     reference = transformers_greedy(qwen2_5_vl_checkpoint, prompts, model=hf_model, num_tokens=NUM_NEW_TOKENS)
     llm = LLM(str(qwen2_5_vl_checkpoint), dtype="float32", max_model_len=256)

@@ -42,10 +42,17 @@ class MultiModalProcessor:
         from transformers import AutoProcessor
 
         try:
-            hf_processor = AutoProcessor.from_pretrained(model.path)
+            try:
+                hf_processor = AutoProcessor.from_pretrained(model.path)
+            except ImportError:
+                # NOTE: transformers' Qwen2-VL family processors build a video processor, which needs
+                # torchvision even for images; the image processor and the tokenizer do without
+                from quire.core.multimodal.grid_processor import GridImageProcessor
+
+                hf_processor = GridImageProcessor.from_pretrained(model.path, model.image_token_id)
+                if hf_processor is None:
+                    raise
         except (OSError, ValueError, ImportError) as error:
-            # NOTE: ImportError: transformers' Qwen2.5-VL processor builds a video processor, which needs
-            # torchvision even for images
             raise ConfigError(f"the model takes images but its processor could not be loaded: {error}") from None
         if getattr(hf_processor, "image_processor", None) is None:
             raise ConfigError(f"the model takes images but {type(hf_processor).__name__} has no image processor")
