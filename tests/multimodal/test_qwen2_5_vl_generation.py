@@ -97,11 +97,17 @@ def run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[i
     return tokens
 
 
-@pytest.mark.parametrize("mode", ["alone", "batched", "chunked"])
+@pytest.mark.parametrize("mode", ["alone", "batched", "chunked", "preempted"])
 def test_greedy_ids_equal_transformers(qwen2_5_vl_checkpoint, prompts, reference, mode):
     assert min(m for _, margins in reference for m in margins) > 1e-3  # clear margins: a real comparison
-    args = EngineArgs(model=str(qwen2_5_vl_checkpoint), dtype="float32", max_model_len=256,
-                      enable_prefix_caching=False, max_num_batched_tokens=7 if mode == "chunked" else 2048)
+    kwargs = dict(max_model_len=256, max_num_batched_tokens=7 if mode == "chunked" else 2048)
+    if mode == "preempted":
+        from quire.core.config import ModelConfig
+
+        # 5 usable blocks of 16 tokens: the longest request fits, the three together do not
+        bytes_per_block = ModelConfig.from_hf(qwen2_5_vl_checkpoint, "float32").kv_bytes_per_token * 16
+        kwargs.update(max_model_len=80, kv_cache_memory=bytes_per_block * 6)
+    args = EngineArgs(model=str(qwen2_5_vl_checkpoint), dtype="float32", enable_prefix_caching=False, **kwargs)
     core = EngineCore(args.create_engine_config())
     requests = [engine_request(i, ids, images) for i, (ids, images) in enumerate(prompts)]
     if mode == "alone":
@@ -110,6 +116,8 @@ def test_greedy_ids_equal_transformers(qwen2_5_vl_checkpoint, prompts, reference
             tokens.update(run(core, [request]))
     else:
         tokens = run(core, requests)
+    if mode == "preempted":
+        assert core.scheduler.num_preemptions > 0
     got = [tokens[request.request_id] for request in requests]
     assert_greedy_agrees(got, reference, [ids for ids, _ in prompts], NUM_TOKENS)
     assert got == [expected for expected, _ in reference]
