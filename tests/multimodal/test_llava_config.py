@@ -11,6 +11,7 @@ import pytest
 
 from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
+from tests.multimodal.helpers import write_config
 
 # llava-hf/llava-1.5-7b-hf's config.json (transformers 4.36): the sub-configs list only what differs from
 # LlamaConfig's and CLIPVisionConfig's defaults.
@@ -26,12 +27,6 @@ LLAVA_15_7B_CONFIG = {
                       "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
     "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
 }
-
-
-def write_config(folder, hf: dict):
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf))
-    return folder
 
 
 def test_tiny_llava_config(llava_checkpoint):

@@ -16,7 +16,7 @@ from quire.core.testing.multimodal_checkpoints import IMAGE_TOKEN
 from quire.core.testing.multimodal_checkpoints import sample_image as make_image
 from quire.core.worker.model_runner import ModelRunner
 from quire.offline import LLM, SamplingParams
-from tests.gguf.greedy import assert_greedy_agrees, transformers_greedy
+from tests.multimodal.helpers import assert_text_only_greedy_equals_transformers
 
 NUM_NEW_TOKENS = 16
 # Checkpoint layouts, as prefix renames of the names transformers 5.24 saves (``language_model.model.``,
@@ -90,12 +90,7 @@ def test_unknown_modality_is_refused(llava_checkpoint, images_pixel_values):
 
 
 def test_text_only_greedy_equals_transformers(llava_checkpoint, hf_llava, corpus_token_ids):
-    prompts = [corpus_token_ids[i * 500:i * 500 + n] for i, n in enumerate((1, 6, 37, 130))]
-    reference = transformers_greedy(llava_checkpoint, prompts, model=hf_llava, num_tokens=NUM_NEW_TOKENS)
-    llm = LLM(str(llava_checkpoint), dtype="float32", max_model_len=256)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_greedy_agrees([o.outputs[0].token_ids for o in outputs], reference, prompts, NUM_NEW_TOKENS)
+    assert_text_only_greedy_equals_transformers(llava_checkpoint, hf_llava, corpus_token_ids, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

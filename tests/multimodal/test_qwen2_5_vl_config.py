@@ -12,6 +12,7 @@ import pytest
 
 from quire.core.config import ModelConfig
 from quire.core.errors import ConfigError
+from tests.multimodal.helpers import write_config
 
 # A config.json in the layout of the Hub's Qwen2.5-VL-7B-Instruct (transformers 4.49): the language model's fields
 # at the top level, M-RoPE as a rope_scaling of type "mrope", 4.x's ``in_chans`` and vision model_type.
@@ -34,12 +35,6 @@ HUB_CONFIG = {
 }
 TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
-
-
-def write_config(folder, hf: dict):
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf))
-    return folder
 
 
 def test_tiny_qwen2_5_vl_config(qwen2_5_vl_checkpoint):

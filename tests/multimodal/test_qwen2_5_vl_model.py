@@ -18,8 +18,7 @@ from quire.core.models.qwen2_5_vision import window_order
 from quire.core.testing.multimodal_checkpoints import sample_image
 from quire.core.worker.kv_cache import allocate_kv_caches
 from quire.core.worker.model_runner import ModelRunner
-from quire.offline import LLM, SamplingParams
-from tests.gguf.greedy import assert_greedy_agrees, transformers_greedy
+from tests.multimodal.helpers import assert_text_only_greedy_equals_transformers
 
 NUM_NEW_TOKENS = 16
 BLOCK_SIZE = 16
@@ -223,12 +222,7 @@ def test_decode_stack_rotates_by_mrope_positions(qwen2_5_vl_checkpoint, corpus_t
 
 
 def test_text_only_greedy_equals_transformers(qwen2_5_vl_checkpoint, hf_model, corpus_token_ids):
-    prompts = [corpus_token_ids[i * 500:i * 500 + n] for i, n in enumerate((1, 6, 37, 130))]
-    reference = transformers_greedy(qwen2_5_vl_checkpoint, prompts, model=hf_model, num_tokens=NUM_NEW_TOKENS)
-    llm = LLM(str(qwen2_5_vl_checkpoint), dtype="float32", max_model_len=256)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert_greedy_agrees([o.outputs[0].token_ids for o in outputs], reference, prompts, NUM_NEW_TOKENS)
+    assert_text_only_greedy_equals_transformers(qwen2_5_vl_checkpoint, hf_model, corpus_token_ids, NUM_NEW_TOKENS)
 
 
 def transformers_5_name(name: str) -> str:
