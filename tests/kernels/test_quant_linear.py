@@ -63,8 +63,9 @@ def assert_bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert mismatches == 0, f"{mismatches} of {got.numel()} values differ"
 
 
-def assert_close_to_reference(got, x, weight, bias) -> None:
-    """``got`` against ``quant_linear_reference``, within the error of float32 accumulation.
+def assert_close_to_reference(got, x, weight, bias, rounded_x: bool = False) -> None:
+    """``got`` against ``quant_linear_reference``, within the error of float32 accumulation (and of rounding x
+    to 16 bits per group of 32 elements, where ``rounded_x``: the vector paths at batch 1).
 
     Both sum the same products: the dequantized weights are exact float32 values and a bfloat16 x widens
     exactly, so they differ only in the order of the additions (and in whether a product rounds before it is
@@ -73,12 +74,24 @@ def assert_close_to_reference(got, x, weight, bias) -> None:
     (K + 1) * u * (sum_k |x_k w_k| + |bias|) of the exact value, and the two results within twice that.
     A wrong weight element or a dropped block moves a result by about sum / K, far outside (K = 100-768).
     A bfloat16 output adds one rounding: at most half a unit in the last place, 2^-8 of the value.
+
+    The integer path (csrc/quant_int_dot.h) rounds x_k to a multiple of max|x| / 32639 over its group of 32:
+    each x_k moves by at most half of that, plus a float32 rounding of x_k times the group's reciprocal scale
+    (2^-24, counted as 2^-22 of the group's largest for margin). Its results may differ from the float32 sum by
+    those moves times |w_k| as well.
     """
     expected = quant.quant_linear_reference(x.float(), weight, bias)
-    magnitude = x.double().abs() @ quant.dequantize_reference(weight).double().abs().T
+    weights_abs = quant.dequantize_reference(weight).double().abs()
+    magnitude = x.double().abs() @ weights_abs.T
     if bias is not None:
         magnitude += bias.double().abs()
     tolerance = 2 * (weight.in_features + 1) * 2.0**-24 * magnitude
+    if rounded_x:
+        grouped = weight.in_features // 32 * 32
+        group_max = x[:, :grouped].double().abs().reshape(x.shape[0], -1, 32).amax(dim=-1)
+        moves = torch.zeros(x.shape, dtype=torch.float64)
+        moves[:, :grouped] = group_max.repeat_interleave(32, dim=-1) * (1 / 65278 + 2.0**-22)
+        tolerance += moves @ weights_abs.T
     if got.dtype == torch.bfloat16:
         tolerance += 2.0**-8 * (expected.double().abs() + tolerance)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], weight.out_features)
@@ -122,7 +135,40 @@ def test_quant_linear_matches_reference(qtype, isa):
             x32 = torch.randn(rows, in_features, generator=generator)
             for x in (x32, x32.to(torch.bfloat16)):
                 for b in (None, bias):
-                    assert_close_to_reference(quant.quant_linear(x, weight, b, isa=isa), x, weight, b)
+                    assert_close_to_reference(quant.quant_linear(x, weight, b, isa=isa), x, weight, b,
+                                              rounded_x=rows == 1 and isa != "scalar")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [*GGUF_TYPES, "INT8"])
+def test_batch_1_with_outliers(qtype, isa):
+    # batch 1 rounds x to int16 per group of 32 on the vector paths: x whose magnitudes span orders of magnitude
+    # within a group (as activations with outliers do) is where that rounding moves small elements most; an odd
+    # number of groups (25) leaves a last block outside the pairs of the VNNI path
+    in_features = {"Q4_K": 768, "Q6_K": 768, "INT8": 100}.get(qtype, 800)
+    weight = random_weight(qtype, OUT_FEATURES, in_features, seed=6)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(8):
+        x = torch.randn(1, in_features, generator=generator) * torch.randn(1, in_features, generator=generator).mul(2).exp()
+        assert_close_to_reference(quant.quant_linear(x, weight, isa=isa), x, weight, None,
+                                  rounded_x=isa != "scalar")
+    zeros = torch.zeros(1, in_features)  # a group of zeros: scale 0
+    assert torch.equal(quant.quant_linear(zeros, weight, isa=isa), torch.zeros(1, OUT_FEATURES))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_batch_1_non_finite_x_gives_pytorch_results(qtype, isa):
+    # int16 cannot hold an infinity or a NaN: such an x takes the float32 path, which keeps PyTorch's results
+    weight = random_weight(qtype, OUT_FEATURES, 512, seed=7)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = torch.randn(1, 512, generator=torch.Generator().manual_seed(7))
+        x[0, 100] = bad
+        got, expected = quant.quant_linear(x, weight, isa=isa), quant.quant_linear_reference(x, weight)
+        assert expected.isfinite().sum() < OUT_FEATURES  # the bad element reaches the outputs
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.isinf(), expected.isinf())
+        assert torch.equal(got[expected.isinf()], expected[expected.isinf()])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -135,7 +181,8 @@ def test_quant_linear_long_rows(qtype, isa):
     generator = torch.Generator().manual_seed(5)
     for rows in (1, 4, 8, 9):
         x = torch.randn(rows, in_features, generator=generator)
-        assert_close_to_reference(quant.quant_linear(x, weight, isa=isa), x, weight, None)
+        assert_close_to_reference(quant.quant_linear(x, weight, isa=isa), x, weight, None,
+                                  rounded_x=rows == 1 and isa != "scalar")
 
 
 @pytest.mark.skipif(CPU_KERNELS is None, reason="Quire's C++ CPU kernels could not be built here")

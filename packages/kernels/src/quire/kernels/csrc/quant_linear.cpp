@@ -26,6 +26,7 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "quant_int_dot.h"
 
 namespace {
 
@@ -71,6 +72,10 @@ struct LinearProblem {
   const float* bias;       // [N] or nullptr
   float* y;                // [M, N] when the output is float32
   uint16_t* y_bf16;        // [M, N] when it is bfloat16
+#ifdef QUIRE_QUANT_X86
+  const QuantizedX* xq = nullptr;  // x rounded to int16 (batch 1): the integer path
+  const PairedX* xpairs = nullptr;  // and split into bytes for VNNI (Q4_0 and Q4_1 on AVX-512 VNNI CPUs)
+#endif
 };
 
 inline void store_output(const LinearProblem& p, int64_t m, int64_t n, float v) {
@@ -267,10 +272,75 @@ void linear_fused(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
   }
 }
 
+// Batch 1 with x rounded to int16 (quant_int_dot.h): each weight row's groups of 32 are widened to int16 and
+// multiplied with x, into two sums (even and odd blocks) so that each block's FMA does not wait for the last.
+// (Larger batches stay on float32: there the int16 path's per-row work, a conversion and a scaling per group,
+// costs more than the float32 FMAs it replaces.)
+// Q4_0 and Q4_1 at batch 1 on AVX-512 VNNI (quant_int_dot.h): pairs of blocks, then an odd last block as on
+// the int16 path.
+template <class Q>
+QUIRE_AVX512_VNNI void linear_pairs(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
+  const int64_t num_blocks = p.K / 32;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m128 offset = _mm_setzero_ps();
+    dot_pairs<Q>(row, *p.xpairs, *p.xq, acc0, acc1, offset);
+    float value = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    value += _mm_cvtss_f32(offset) + _mm_cvtss_f32(_mm_movehdup_ps(offset));
+    if (num_blocks % 2 == 1) {
+      IntDotSink<Avx512> last(*p.xq);
+      last.first = num_blocks - 1;
+      IntGroups<Q>::decode(row + (num_blocks - 1) * Q::kBytes, 1.f, last);
+      value += Avx512::hsum(last.acc) + last.offset;
+    }
+    store_output(p, 0, n, value);
+  }
+}
+
+template <class V, class Q>
+void linear_int(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
+  if constexpr (std::is_same_v<V, Avx512> && (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>)) {
+    if (p.xpairs != nullptr) {
+      linear_pairs<Q>(p, n_begin, n_end);
+      return;
+    }
+  }
+  constexpr int kGroups = Q::kElements / 32;
+  const int64_t num_blocks = p.K / Q::kElements, k_tail = num_blocks * Q::kElements;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = p.w + n * p.row_bytes;
+    const float row_scale = p.row_scale != nullptr ? p.row_scale[n] : 1.f;
+    IntDotSink<V> even(*p.xq), odd(*p.xq);
+    int64_t b = 0;
+    for (; b + 1 < num_blocks; b += 2) {
+      even.first = b * kGroups;
+      IntGroups<Q>::decode(row + b * Q::kBytes, row_scale, even);
+      odd.first = (b + 1) * kGroups;
+      IntGroups<Q>::decode(row + (b + 1) * Q::kBytes, row_scale, odd);
+    }
+    if (b < num_blocks) {
+      even.first = b * kGroups;
+      IntGroups<Q>::decode(row + b * Q::kBytes, row_scale, even);
+    }
+    float value = V::hsum(V::add(even.acc, odd.acc)) + (even.offset + odd.offset);
+    if (k_tail < p.K) {
+      float tail[Q::kElements];
+      Q::decode_scalar(row + num_blocks * Q::kBytes, row_scale, tail, static_cast<int>(p.K - k_tail));
+      for (int64_t k = k_tail; k < p.K; ++k) value += p.x[k] * tail[k - k_tail];
+    }
+    store_output(p, 0, n, value);
+  }
+}
+
 template <class V, class Q, int MR = V::kMaxRows>
 void linear_fused_rows(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
   if (p.M == MR) {
-    linear_fused<V, Q, MR>(p, n_begin, n_end);
+    if (MR == 1 && p.xq != nullptr) {
+      linear_int<V, Q>(p, n_begin, n_end);
+    } else {
+      linear_fused<V, Q, MR>(p, n_begin, n_end);
+    }
   } else if constexpr (MR > 1) {
     linear_fused_rows<V, Q, MR - 1>(p, n_begin, n_end);
   }
@@ -318,11 +388,16 @@ void dequantize_chunk(const DequantizeProblem& p, int64_t r_begin, int64_t r_end
 using LinearFn = void (*)(const LinearProblem&, int64_t, int64_t);
 using DequantizeFn = void (*)(const DequantizeProblem&, int64_t, int64_t);
 
+// Rounds x [M, K] to int16 for the integer path (quant_int_dot.h); false where x is not finite.
+using QuantizeXFn = bool (*)(const float*, int64_t, int64_t, int16_t*, float*, float*);
+
 struct Kernels {
   LinearFn linear;
   DequantizeFn dequantize;
-  int64_t tile_cols;   // weight rows per tile of linear's decoded tiles
-  int64_t fused_rows;  // batches up to this size decode straight into registers
+  int64_t tile_cols;      // weight rows per tile of linear's decoded tiles
+  int64_t fused_rows;     // batches up to this size decode straight into registers
+  QuantizeXFn quantize_x;  // nullptr: no integer path
+  bool pairs = false;      // batch 1 takes x as PairedX (Q4_0, Q4_1 on AVX-512 VNNI)
 };
 
 template <class Q>
@@ -349,13 +424,28 @@ QUIRE_AVX512 __attribute__((flatten)) void dequantize_avx512(const DequantizePro
 }
 #endif
 
+bool cpu_has_vnni() {
+#ifdef QUIRE_QUANT_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 template <class Q>
 Kernels kernels_for([[maybe_unused]] Isa isa) {
 #ifdef QUIRE_QUANT_X86
-  if (isa == Isa::Avx512) return {&linear_avx512<Q>, &dequantize_avx512<Q>, Avx512::kTileCols, Avx512::kMaxRows};
-  if (isa == Isa::Avx2) return {&linear_avx2<Q>, &dequantize_avx2<Q>, Avx2::kTileCols, Avx2::kMaxRows};
+  if (isa == Isa::Avx512)
+    return {&linear_avx512<Q>, &dequantize_avx512<Q>, Avx512::kTileCols, Avx512::kMaxRows, &quantize_x_avx512,
+            (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) && cpu_has_vnni()};
+  if (isa == Isa::Avx2)
+    return {&linear_avx2<Q>, &dequantize_avx2<Q>, Avx2::kTileCols, Avx2::kMaxRows, &quantize_x_avx2};
 #endif
-  return {&linear_scalar<Q>, &dequantize_scalar<Q>, Scalar::kTileCols, 1};
+  return {&linear_scalar<Q>, &dequantize_scalar<Q>, Scalar::kTileCols, 1, nullptr};
 }
 
 Kernels kernels_for(QType type, Isa isa) {
@@ -494,10 +584,33 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
 
   auto y = torch::empty({M, w.N}, x.options());
   const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  const LinearProblem p{x32.data_ptr<float>(), M, w.K, w.N, w.bytes, w.row_bytes, w.row_scale,
-                        bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
-                        is_bf16 ? nullptr : y.data_ptr<float>(),
-                        is_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr};
+  LinearProblem p{x32.data_ptr<float>(), M, w.K, w.N, w.bytes, w.row_bytes, w.row_scale,
+                  bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
+                  is_bf16 ? nullptr : y.data_ptr<float>(),
+                  is_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr};
+#ifdef QUIRE_QUANT_X86
+  // the calling thread's buffers for x rounded to int16 (the kernel's threads only read them)
+  thread_local std::vector<int16_t> x_values;
+  thread_local std::vector<float> x_scales;
+  thread_local std::vector<int8_t> x_bytes;
+  const int64_t groups = w.K / 32;
+  QuantizedX xq{};
+  PairedX xpairs{};
+  if (M == 1 && kernels.quantize_x != nullptr && groups > 0) {
+    x_values.resize(groups * 32);
+    x_scales.resize(2 * groups);
+    xq = {x_values.data(), x_scales.data(), x_scales.data() + groups};
+    if (kernels.quantize_x(p.x, 1, w.K, x_values.data(), x_scales.data(), x_scales.data() + groups)) {
+      p.xq = &xq;
+      if (kernels.pairs && groups >= 2) {
+        x_bytes.resize(groups / 2 * 128);
+        xpairs = {x_bytes.data(), x_bytes.data() + groups / 2 * 64, groups / 2};
+        pair_x_avx512(x_values.data(), xpairs.pairs, x_bytes.data(), x_bytes.data() + groups / 2 * 64);
+        p.xpairs = &xpairs;
+      }
+    }
+  }
+#endif
   // chunks of whole tiles of weight rows (single rows on the fused path)
   const int64_t cols = M <= kernels.fused_rows ? 1 : kernels.tile_cols;
   const int64_t num_col_tiles = (w.N + cols - 1) / cols;
