@@ -1,8 +1,11 @@
 import json
 
+import msgspec
 import pytest
 
-from quire.core.config import ModelConfig
+from quire.core import engine_args as engine_args_module
+from quire.core.config import EngineConfig, ModelConfig, ParallelConfig
+from quire.core.engine_args import EngineArgs
 from quire.core.errors import ConfigError
 
 BASE = {
@@ -72,3 +75,29 @@ def test_clear_errors_for_unusable_checkpoints(tmp_path):
         ModelConfig.from_hf(tmp_path / "missing")
     with pytest.raises(ConfigError, match="hidden_act"):
         ModelConfig.from_hf(write(tmp_path, hidden_act="gelu"))
+
+
+def test_data_parallel_size_is_validated_and_shares_out_the_threads(tmp_path, monkeypatch):
+    folder = str(write(tmp_path))
+    with pytest.raises(ConfigError, match="data_parallel_size must be at least 1"):
+        EngineArgs(model=folder, data_parallel_size=0).create_engine_config()
+    config = EngineArgs(model=folder, data_parallel_size=2, num_threads=5).create_engine_config()
+    assert config.parallel == ParallelConfig(data_parallel_size=2, data_parallel_rank=0)
+    assert config.num_threads == 2  # per engine core
+    rank_1 = config.for_data_parallel_rank(1)
+    assert rank_1.parallel == ParallelConfig(2, 1) and rank_1.model == config.model
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(rank_1), type=EngineConfig) == rank_1
+    monkeypatch.setattr(engine_args_module, "available_cpu_count", lambda: 6)
+    assert EngineArgs(model=folder, data_parallel_size=4).create_engine_config().num_threads == 1
+    assert EngineArgs(model=folder, data_parallel_size=8).create_engine_config().num_threads == 1
+    assert EngineArgs(model=folder, data_parallel_size=3).create_engine_config().num_threads == 2
+    single = EngineArgs(model=folder).create_engine_config()
+    assert single.num_threads is None and single.parallel == ParallelConfig()
+
+
+def test_data_parallel_engines_need_their_own_processes(tmp_path):
+    from quire.core.engine.llm_engine import make_sync_client
+
+    config = EngineArgs(model=str(write(tmp_path)), data_parallel_size=2).create_engine_config()
+    with pytest.raises(ConfigError, match="data_parallel_size=2.*multiprocess=False"):
+        make_sync_client(config, multiprocess=False)

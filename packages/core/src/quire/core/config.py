@@ -280,6 +280,19 @@ class MultiModalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many engine cores serve the requests, and which of them a config is for.
+
+    Each of the ``data_parallel_size`` engine cores is its own process with a whole copy of the model, its
+    own scheduler and KV cache; ``data_parallel_rank`` (0 to size - 1) is the engine's index, which it
+    stamps on everything it sends so that the front end knows where outputs came from.
+    """
+
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine core needs, built once by ``EngineArgs.create_engine_config``."""
 
@@ -292,7 +305,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: "triton" on CUDA devices, "torch" elsewhere
     enforce_eager: bool = False  # CUDA devices: no CUDA graphs for decode steps
     max_logprobs: int = 20  # most logprobs a request may ask for (-1: no limit)
-    num_threads: int | None = None  # intra-op threads on CPUs; None: torch's default
+    num_threads: int | None = None  # intra-op threads on CPUs, per engine core; None: torch's default
     # Streaming outputs are handed over every this many tokens (after the first, and at the end); a request
     # may ask for a larger interval. 1: every token.
     stream_interval: int = 1
@@ -304,3 +317,8 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # Image inputs (vision-language models): limits and where images may come from; front end only.
     multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    def for_data_parallel_rank(self, rank: int) -> EngineConfig:
+        """This config as engine ``rank`` of its data-parallel group receives it."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, data_parallel_rank=rank))

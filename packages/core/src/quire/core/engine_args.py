@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quire.core.config import CacheConfig, EngineConfig, ModelConfig, MultiModalConfig, SchedulerConfig
+from quire.core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    MultiModalConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
 from quire.core.parsers.reasoning import REASONING_PARSERS
@@ -78,6 +86,13 @@ def parse_modality_limits(text: str | dict[str, int]) -> dict[str, int]:
     return dict(limits)
 
 
+def available_cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def parse_name_list(text: str | list[str] | tuple[str, ...]) -> list[str]:
     """``"a.example,b.example"`` (or a list) as a list of names, blanks dropped."""
     names = text.split(",") if isinstance(text, str) else list(text)
@@ -122,8 +137,12 @@ class EngineArgs:
     max_queue_time: float | None = option(None, "Seconds a request may wait for its first step before it "
                                                 "fails (retryable).")
     seed: int = option(0, "Seed of the engine's random sampling.")
-    num_threads: int | None = option(None, "CPU threads of the engine's kernels (default: one per core); "
-                                           "leaving a core to the HTTP front end can pay for small models.")
+    num_threads: int | None = option(None, "CPU threads of the engine's kernels, shared out between the engine "
+                                           "cores (default: one per core); leaving a core to the HTTP front "
+                                           "end can pay for small models.")
+    data_parallel_size: int = option(1, "Engine-core processes, each with a whole copy of the model and its own "
+                                        "KV cache (of kv_cache_memory bytes); each request goes to the least "
+                                        "loaded one, and the CPU threads are split between them.")
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N.")
     gpu_memory_utilization: float = option(_CACHE.gpu_memory_utilization, "Share of the GPU's memory for "
                                                                           "weights, activations and the KV "
@@ -216,7 +235,7 @@ class EngineArgs:
             tokenizer=self.tokenizer or model_path,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
-            num_threads=self.num_threads,
+            num_threads=self._num_threads_per_engine(),
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
@@ -225,7 +244,15 @@ class EngineArgs:
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
+            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size),
         )
+
+    def _num_threads_per_engine(self) -> int | None:
+        """With several engine cores, each gets its share of the threads (given, or one per usable core as
+        torch's default) so that they do not fight over the cores; a single engine keeps the given count."""
+        if self.data_parallel_size == 1:
+            return self.num_threads
+        return max(1, (self.num_threads or available_cpu_count()) // self.data_parallel_size)
 
     def _multimodal_config(self) -> MultiModalConfig:
         local_path = None
@@ -253,7 +280,8 @@ class EngineArgs:
             value = getattr(self, field.name)
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"{field.name} must be one of {', '.join(choices)}; got {value!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:

@@ -83,6 +83,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     reasoning_tags: tuple[list[int], list[int]] | None = None
     # Images of the prompt, in prompt order (None for text-only prompts).
     mm_features: list[MultiModalFeature] | None = None
+    # With several engine cores: the one that must run this request (None: the least loaded).
+    data_parallel_rank: int | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -191,6 +193,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
+    engine_index: int = 0  # the data-parallel rank of the engine core that sent this
 
 
 class RequestType(bytes, enum.Enum):

@@ -67,6 +67,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        data_parallel_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, a prompt dict or a ``ChatPrompt``); outputs in input
@@ -74,13 +75,20 @@ class LLM:
         pil_image_or_list}}``: one image per placeholder, in order.
 
         ``priority`` (one per prompt; lower runs first) matters with ``scheduling_policy="priority"``.
+        ``data_parallel_rank`` (one for all prompts, or one per prompt; None: the least loaded) pins prompts
+        to engine cores with ``data_parallel_size`` > 1.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValidationError(f"got {len(priority)} priorities for {len(prompt_list)} prompts",
                                   param="priority")
-        return self._run(prompt_list, params_list, use_tqdm, priority)
+        if data_parallel_rank is None or isinstance(data_parallel_rank, int):
+            data_parallel_rank = [data_parallel_rank] * len(prompt_list)
+        elif len(data_parallel_rank) != len(prompt_list):
+            raise ValidationError(f"got {len(data_parallel_rank)} data_parallel_rank values for "
+                                  f"{len(prompt_list)} prompts", param="data_parallel_rank")
+        return self._run(prompt_list, params_list, use_tqdm, priority, data_parallel_rank)
 
     def chat(
         self,
@@ -162,14 +170,17 @@ class LLM:
                 for p in sampling_params]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None,
+             data_parallel_rank: Sequence[int | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         priorities = priority or [0] * len(prompts)
+        ranks = data_parallel_rank or [None] * len(prompts)
         try:
-            for request_id, prompt, request_params, request_priority in zip(
-                    request_ids, prompts, params, priorities):
-                engine.add_request(request_id, prompt, request_params, priority=request_priority)
+            for request_id, prompt, request_params, request_priority, rank in zip(
+                    request_ids, prompts, params, priorities, ranks):
+                engine.add_request(request_id, prompt, request_params, priority=request_priority,
+                                   data_parallel_rank=rank)
             finished = self._run_engine(len(prompts), use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -35,7 +35,11 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list[StatLogger] | None = None):
         self.config = config
         self.model_config = config.model
-        if engine_core is None:
+        if engine_core is None and config.parallel.data_parallel_size > 1:
+            from quire.core.engine.dp_client import DPAsyncClient
+
+            engine_core = DPAsyncClient(config)
+        elif engine_core is None:
             from quire.core.engine.mp_client import AsyncMPClient
 
             engine_core = AsyncMPClient(config)
@@ -97,15 +101,16 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None) -> RequestStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None) -> RequestStream:
         """Render, validate, admit and send a request; return the stream its outputs will arrive in.
         With a ``timeout`` (seconds), the stream aborts the request and raises ``RequestTimeoutError``
-        once it has run that long."""
+        once it has run that long; ``data_parallel_rank`` pins it to that engine core."""
         self.check_health()
         self._start_output_handler()
         if timeout is not None and timeout <= 0:
             raise ValidationError(f"timeout must be positive, got {timeout}", param="timeout")
-        process = (self.front_end.process, request_id, prompt, params, arrival_time, priority, cache_salt)
+        process = (self.front_end.process, request_id, prompt, params, arrival_time, priority, cache_salt,
+                   data_parallel_rank)
         if is_long(prompt):  # rendering and tokenizing long inputs would stall every other stream
             request, prompt_text = await asyncio.to_thread(*process)
         else:
@@ -124,14 +129,14 @@ class AsyncLLM:
         return RequestStream(self, request_id, collector, request.prompt_token_ids, prompt_text)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None, timeout: float | None = None,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises ``ValidationError`` for bad input,
         ``OverloadedError`` when at capacity (``QueueTimeoutError`` when it waited past
         ``max_queue_time``), ``RequestTimeoutError`` past ``timeout`` seconds, ``EngineGenerateError`` if
         the engine failed the request and ``EngineDeadError`` if the engine died."""
         stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                        timeout=timeout)
+                                        timeout=timeout, data_parallel_rank=data_parallel_rank)
         try:
             async for output in stream:
                 yield output

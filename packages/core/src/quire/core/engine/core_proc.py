@@ -113,6 +113,7 @@ class EngineCoreProc:
 
     def __init__(self, engine_core, context: zmq.Context, input_address: str, output_socket: zmq.Socket):
         self.engine_core = engine_core
+        self.engine_index = engine_core.config.parallel.data_parallel_rank
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._shutdown = threading.Event()
@@ -200,6 +201,7 @@ class EngineCoreProc:
             if item is ENGINE_DEAD_SENTINEL:
                 socket.send(ENGINE_DEAD_SENTINEL)
                 return
+            item.engine_index = self.engine_index  # so that a data-parallel front end knows the sender
             socket.send(encoder.encode(item), copy=False)
 
 

@@ -27,15 +27,18 @@ class FrontEnd:
             multimodal = MultiModalProcessor.from_model(config.model, config.multimodal)
         self.renderer = Renderer(tokenizer, config.model.vocab_size, multimodal)
         self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
-                                              config.structured_outputs_backend, config.reasoning_parser)
+                                              config.structured_outputs_backend, config.reasoning_parser,
+                                              config.parallel.data_parallel_size)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
-                priority: int, cache_salt: str | None) -> tuple[EngineCoreRequest, str | None]:
+                priority: int, cache_salt: str | None,
+                data_parallel_rank: int | None = None) -> tuple[EngineCoreRequest, str | None]:
         """Render and validate a request whose id is not in use; return it and its prompt text."""
         if self.output_processor.is_in_flight(request_id):
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
-        return self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
+        return self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt,
+                                            data_parallel_rank)
 
     def register(self, request: EngineCoreRequest, prompt_text: str | None) -> list[EngineCoreRequest]:
         """Track a request's outputs; return the engine requests to send.

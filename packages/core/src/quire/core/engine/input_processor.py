@@ -22,8 +22,9 @@ class InputProcessor:
 
     def __init__(self, model_config: ModelConfig, renderer: Renderer, max_model_len: int | None = None,
                  max_logprobs: int = 20, structured_outputs_backend: str = "auto",
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, data_parallel_size: int = 1):
         self.model_config = model_config
+        self.data_parallel_size = data_parallel_size
         self.structured_outputs = StructuredOutputValidator(structured_outputs_backend)
         # With a reasoning parser, a constraint waits for the thinking to end: its tags as token ids.
         self.reasoning_tags = None
@@ -47,6 +48,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None when the prompt was token ids)."""
         if not isinstance(params, SamplingParams):
@@ -55,6 +57,7 @@ class InputProcessor:
             raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValidationError("cache_salt must be a non-empty string", param="cache_salt")
+        self._check_data_parallel_rank(data_parallel_rank)
         rendered = self.renderer.render(prompt)
         prompt_ids = self._truncate(rendered.token_ids, params.truncate_prompt_tokens)
         mm_features = _shift_features(rendered.mm_features, len(rendered.token_ids) - len(prompt_ids))
@@ -72,8 +75,17 @@ class InputProcessor:
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             reasoning_tags=self.reasoning_tags if params.structured_outputs is not None else None,
             mm_features=mm_features,
+            data_parallel_rank=data_parallel_rank,
         )
         return request, rendered.text
+
+    def _check_data_parallel_rank(self, rank: int | None) -> None:
+        if rank is None:
+            return
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.data_parallel_size:
+            raise ValidationError(f"data_parallel_rank must be an engine index in [0, {self.data_parallel_size}) "
+                                  f"(data_parallel_size is {self.data_parallel_size}), got {rank!r}",
+                                  param="data_parallel_rank")
 
     def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
         """The last ``keep`` tokens (-1: as many as leave room for one output token; None: all)."""

@@ -12,7 +12,7 @@ from quire.core.config import EngineConfig
 from quire.core.engine.core_client import EngineCoreClient, InprocClient
 from quire.core.engine.front_end import FrontEnd
 from quire.core.engine_args import EngineArgs
-from quire.core.errors import EngineDeadError, EngineUtilityError
+from quire.core.errors import ConfigError, EngineDeadError, EngineUtilityError
 from quire.core.outputs import EngineMetrics, RequestOutput
 from quire.core.renderer import PromptType
 from quire.core.sampling_params import SamplingParams
@@ -25,9 +25,19 @@ def default_multiprocess() -> bool:
 
 
 def make_sync_client(config: EngineConfig, multiprocess: bool | None = None) -> EngineCoreClient:
-    """The engine core in its own process (over ZMQ), or in this one with ``multiprocess=False``."""
+    """The engine core in its own process (over ZMQ), or in this one with ``multiprocess=False``; with
+    ``data_parallel_size`` > 1, that many engine-core processes behind one client."""
+    data_parallel_size = config.parallel.data_parallel_size
     if not (default_multiprocess() if multiprocess is None else multiprocess):
+        if data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size={data_parallel_size} runs each engine core in its own "
+                              "process; it cannot be combined with multiprocess=False "
+                              "(or QUIRE_MULTIPROCESS_ENGINE=0)")
         return InprocClient(config)
+    if data_parallel_size > 1:
+        from quire.core.engine.dp_client import DPSyncClient
+
+        return DPSyncClient(config)
     from quire.core.engine.mp_client import SyncMPClient
 
     return SyncMPClient(config)
@@ -77,10 +87,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children."""
+                    cache_salt: str | None = None, data_parallel_rank: int | None = None) -> None:
+        """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children.
+        ``data_parallel_rank`` pins it to that engine core (with ``data_parallel_size`` > 1)."""
         request, prompt_text = self.front_end.process(request_id, prompt, params, arrival_time, priority,
-                                                      cache_salt)
+                                                      cache_salt, data_parallel_rank)
         for engine_request in self.front_end.register(request, prompt_text):
             self.engine_core.add_request(engine_request)
 

@@ -4,6 +4,9 @@ The front end binds two IPC sockets in a private temporary folder (PUSH for requ
 spawns the engine process, and waits for its ``EngineReady`` message, failing fast with the engine's own
 error message if it cannot start. A monitor thread watches the process: if it dies (or sends the dead
 sentinel), every waiting caller gets ``EngineDeadError`` and new calls fail at once.
+
+A data-parallel client (``dp_client``) holds several of these: it passes each the one output queue they
+all fill, and an ``on_dead`` callback that hears of any engine's death.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgspec
@@ -95,7 +99,8 @@ class _Resources:
 class MPClient(EngineCoreClient):
     """Starts the engine core process and owns the sockets to it."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_dead: Callable[[MPClient], None] | None = None):
+        self._on_dead = on_dead
         self._resources = resources = _Resources()
         self._finalizer = weakref.finalize(self, resources.close)
         self._encoder = msgspec.msgpack.Encoder()
@@ -150,6 +155,18 @@ class MPClient(EngineCoreClient):
     def _mark_dead(self) -> None:
         """Record the death and wake every waiting caller (each client variant knows how)."""
         self.engine_dead = True
+        if self._on_dead is not None:
+            self._on_dead(self)
+
+    def fail_and_stop(self) -> None:
+        """Fail every waiting caller with ``EngineDeadError`` and stop the engine process without waiting
+        for it (another engine core of the same data-parallel group died). ``shutdown`` still follows."""
+        if self.engine_dead:
+            return
+        self._resources.shutting_down.set()  # its exit is expected: not a death to report
+        self._mark_dead()
+        if self.process.poll() is None:
+            self.process.terminate()
 
     def ensure_alive(self) -> None:
         if self.engine_dead:
@@ -186,11 +203,12 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """Blocking client for ``LLMEngine``: an output thread fills a queue that ``get_output`` reads."""
 
-    def __init__(self, config: EngineConfig):
-        self._outputs: queue.Queue = queue.Queue()
+    def __init__(self, config: EngineConfig, outputs: queue.Queue | None = None,
+                 on_dead: Callable[[MPClient], None] | None = None):
+        self._outputs: queue.Queue = queue.Queue() if outputs is None else outputs
         self._pending_calls: dict[int, Future] = {}
         self._send_lock = threading.Lock()
-        super().__init__(config)
+        super().__init__(config, on_dead)
         threading.Thread(target=self._output_loop, name="engine-output-reader", daemon=True).start()
 
     def _output_loop(self) -> None:
@@ -252,21 +270,24 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """asyncio client for ``AsyncLLM``: a reader task fills an ``asyncio.Queue``."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, outputs: asyncio.Queue | None = None,
+                 on_dead: Callable[[MPClient], None] | None = None):
         # NOTE: set before the base class starts the engine, whose start-up failure calls shutdown()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs: asyncio.Queue | None = None
+        self._outputs: asyncio.Queue | None = outputs  # None: made when the reader starts
         self._reader: asyncio.Task | None = None
         self._pending_calls: dict[int, asyncio.Future] = {}
-        super().__init__(config)
+        super().__init__(config, on_dead)
         resources = self._resources
         self._input = zmq.asyncio.Socket.shadow(resources.input_socket.underlying)
         self._output = zmq.asyncio.Socket.shadow(resources.output_socket.underlying)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start reading outputs on the running event loop (every call does this first; idempotent)."""
         if self._reader is None:
             self._loop = asyncio.get_running_loop()
-            self._outputs = asyncio.Queue()
+            if self._outputs is None:
+                self._outputs = asyncio.Queue()
             self._reader = self._loop.create_task(self._read_outputs(), name="engine-output-reader")
             if self.engine_dead:
                 self._mark_dead()
@@ -305,17 +326,17 @@ class AsyncMPClient(MPClient):
         self._pending_calls.clear()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._start()
+        self.start()
         self.ensure_alive()
         await self._input.send_multipart(self._message(RequestType.ADD, request), copy=False)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self._start()
+        self.start()
         if request_ids and not self.engine_dead and not self._resources.shutting_down.is_set():
             await self._input.send_multipart(self._message(RequestType.ABORT, list(request_ids)))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        self._start()
+        self.start()
         item = await self._outputs.get()
         if isinstance(item, BaseException):
             self._outputs.put_nowait(item)
@@ -323,7 +344,7 @@ class AsyncMPClient(MPClient):
         return item
 
     async def call_utility_async(self, method: str, *args, timeout: float = 60.0):
-        self._start()
+        self.start()
         self.ensure_alive()
         call = self._utility_call(method, args)
         future = self._loop.create_future()

@@ -84,12 +84,14 @@ class EngineClient(EngineClientBase, Protocol):
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None) -> OutputStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None) -> OutputStream:
         """Render, validate, admit (``check_admission``) and send a request; every input error is raised
-        here, before any output. ``timeout`` (seconds) bounds the whole request."""
+        here, before any output. ``timeout`` (seconds) bounds the whole request; ``data_parallel_rank``
+        pins it to one engine core of a data-parallel group."""
 
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *, priority: int = 0,
-                 cache_salt: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, timeout: float | None = None,
+                 data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """``add_request`` and iterate its outputs until the request finishes."""
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -126,7 +128,7 @@ class SyncEngineClient(EngineClientBase, Protocol):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None: ...
+                    cache_salt: str | None = None, data_parallel_rank: int | None = None) -> None: ...
 
     def abort_request(self, request_ids: Iterable[str]) -> None: ...
 
