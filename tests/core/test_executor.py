@@ -67,11 +67,12 @@ class FakeExecutor(Executor):
 
 
 def test_unknown_executor_is_refused_by_name(llama_checkpoint):
-    with pytest.raises(ConfigError, match="unknown executor 'mp'"):
-        EngineCore(engine_config(llama_checkpoint), executor_backend="mp")
-    with pytest.raises(ConfigError, match="'nope'.*uniproc"):
+    with pytest.raises(ConfigError, match="unknown executor 'ray'"):
+        EngineCore(engine_config(llama_checkpoint), executor_backend="ray")
+    with pytest.raises(ConfigError, match="'nope'.*mp, uniproc"):
         get_executor_class("nope")
     assert get_executor_class("uniproc") is UniProcExecutor
+    assert get_executor_class("mp").__name__ == "MultiprocExecutor"
 
 
 def test_engine_core_drives_any_executor(llama_checkpoint, monkeypatch):

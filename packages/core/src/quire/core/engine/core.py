@@ -6,7 +6,7 @@ import logging
 import time
 
 from quire.core.config import EngineConfig
-from quire.core.engine.executor import get_executor_class
+from quire.core.engine.executor import default_executor_backend, get_executor_class
 from quire.core.engine.faults import Faults
 from quire.core.request import Request, RequestStatus
 from quire.core.sched.kv_cache_manager import KVCacheManager
@@ -26,12 +26,14 @@ class EngineCore:
     """Loads the model, sizes the KV cache, and runs schedule → execute → update.
 
     The model runs behind an ``Executor`` chosen by name (``executor_backend``; ``"uniproc"``: one runner
-    in this process); the engine core never touches a model runner itself.
+    in this process; ``"mp"``: tensor-parallel workers; default: what the config's tensor_parallel_size
+    needs); the engine core never touches a model runner itself.
     """
 
-    def __init__(self, config: EngineConfig, executor_backend: str = "uniproc"):
+    def __init__(self, config: EngineConfig, executor_backend: str | None = None):
         self.config = config
-        executor_class = get_executor_class(executor_backend)  # an unknown name fails before any loading
+        # an unknown name fails before any loading
+        executor_class = get_executor_class(executor_backend or default_executor_backend(config))
         self.faults = Faults.from_env()
         self.faults.before_load()
         self.executor = executor_class(config)

@@ -94,7 +94,7 @@ class UniProcExecutor(Executor):
         pass  # nothing outside this process to stop; the runner goes with the engine core
 
 
-# "mp" (tensor-parallel worker processes) comes next; each executor's module is imported when asked for.
+# Each executor's module is imported when asked for.
 _EXECUTORS = LazyRegistry("executor", Executor)
 
 
@@ -108,4 +108,11 @@ def get_executor_class(name: str) -> type[Executor]:
     return _EXECUTORS.get(name)
 
 
+def default_executor_backend(config: EngineConfig) -> str:
+    """The executor a config needs: "mp" (tensor-parallel worker processes) when its model is split over
+    several ranks, else "uniproc"."""
+    return "mp" if config.parallel.tensor_parallel_size > 1 else "uniproc"
+
+
 register_executor("uniproc", "quire.core.engine.executor", "UniProcExecutor")
+register_executor("mp", "quire.core.engine.mp_executor", "MultiprocExecutor")

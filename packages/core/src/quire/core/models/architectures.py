@@ -56,10 +56,14 @@ def qwen3_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 # Mistral, Qwen2 and Qwen3 are Llama-shaped: one implementation serves all four names.
 _LLAMA = ("quire.core.models.llama", "LlamaForCausalLM")
-register_model(ModelEntry("LlamaForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("llama",)))
-register_model(ModelEntry("MistralForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("mistral",)))
-register_model(ModelEntry("Qwen2ForCausalLM", *_LLAMA, qwen2_fields, LLAMA_WEIGHTS, model_types=("qwen2",)))
-register_model(ModelEntry("Qwen3ForCausalLM", *_LLAMA, qwen3_fields, LLAMA_WEIGHTS, model_types=("qwen3",)))
+register_model(ModelEntry("LlamaForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("llama",),
+                           supports_tensor_parallel=True))
+register_model(ModelEntry("MistralForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("mistral",),
+                           supports_tensor_parallel=True))
+register_model(ModelEntry("Qwen2ForCausalLM", *_LLAMA, qwen2_fields, LLAMA_WEIGHTS, model_types=("qwen2",),
+                           supports_tensor_parallel=True))
+register_model(ModelEntry("Qwen3ForCausalLM", *_LLAMA, qwen3_fields, LLAMA_WEIGHTS, model_types=("qwen3",),
+                           supports_tensor_parallel=True))
 
 
 # LLaVA-1.5: a CLIP vision tower and a two-layer projector in front of a Llama-shaped language model.

@@ -2,6 +2,11 @@
 
 Module names mirror the Hugging Face checkpoints, except that q/k/v projections are fused into
 ``qkv_proj`` and gate/up into ``gate_up_proj`` (the registry entry's weight mapping stacks them).
+
+Given a ``TensorParallelGroup`` of several ranks, the model is built from the config's shard
+(``ModelConfig.shard``: this rank's heads and MLP columns) with the layers of ``parallel_layers``: one
+all-reduce after attention, one after the MLP, and a vocabulary split between the ranks. Without one it is
+built from the plain layers, as a single process runs it.
 """
 
 from __future__ import annotations
@@ -12,15 +17,39 @@ from torch import nn
 from quire.core.attention.backend import AttentionBackend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import ModelConfig
+from quire.core.distributed.group import TensorParallelGroup
 from quire.core.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, quantized_linear
+from quire.core.models.parallel_layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    parallel_lm_head,
+    split_output_rows,
+)
 from quire.kernels import decode_stack
 from quire.kernels import linear as linear_ops
 from quire.kernels.activation import silu_and_mul
 from quire.kernels.rotary import rotate
 
 
+def _output_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                   group: TensorParallelGroup | None) -> Linear:
+    """A layer whose inputs are split over the group (o_proj, down_proj): row-parallel, or plain without one."""
+    if group is None:
+        return Linear(in_features, out_features, bias, dtype)
+    return RowParallelLinear(in_features, out_features, bias, dtype, group)
+
+
+def _input_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                  group: TensorParallelGroup | None) -> Linear:
+    """A layer whose outputs are split over the group (qkv_proj, gate_up_proj)."""
+    linear = Linear(in_features, out_features, bias, dtype)
+    return linear if group is None else split_output_rows(linear)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 group: TensorParallelGroup | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -28,8 +57,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.qkv_proj = _input_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, dtype,
+                                      group)
+        self.o_proj = _output_linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype, group)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.backend = backend
@@ -52,10 +82,10 @@ CPU_MLP_CHUNK_ROWS = 512
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, group: TensorParallelGroup | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.gate_up_proj = _input_linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, group)
+        self.down_proj = _output_linear(config.intermediate_size, config.hidden_size, False, dtype, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu and x.shape[0] > CPU_MLP_CHUNK_ROWS:
@@ -73,10 +103,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 group: TensorParallelGroup | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, backend, dtype, group)
+        self.mlp = LlamaMLP(config, dtype, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -93,20 +124,22 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """``rotary``: the rotary table ``forward`` reads positions from (default: ``RotaryEmbedding`` of the config's
-    rope; Qwen2.5-VL gives its M-RoPE one)."""
+    rope; Qwen2.5-VL gives its M-RoPE one). ``group``: the tensor-parallel ranks (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 rotary: RotaryEmbedding | None = None):
+                 rotary: RotaryEmbedding | None = None, group: TensorParallelGroup | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size, dtype) if group is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, group))
         self.rotary = rotary if rotary is not None else RotaryEmbedding(config.head_dim, config.max_model_len,
                                                                         config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, dtype, group) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.config = config
         self.backend = backend
+        self.group = group
         # Set by ``build_decode_stack`` after prepacking, where the CPU's kernels allow it: decode steps then
         # run every layer in one C++ call.
         self.decode_stack = None
@@ -130,8 +163,9 @@ class LlamaModel(nn.Module):
     def build_decode_stack(self) -> None:
         """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer runs on
         a C++ kernel (the bfloat16 ``kernel`` path, or quantized weights on the CPU) and the attention backend
-        offers the stack (``cpu_decode_stack``); otherwise decode steps keep going through the modules."""
-        if not self.backend.capabilities.cpu_decode_stack:
+        offers the stack (``cpu_decode_stack``); otherwise decode steps keep going through the modules (always
+        with tensor parallelism: the stack has no collectives)."""
+        if not self.backend.capabilities.cpu_decode_stack or self.group is not None:
             return
         layers = []
         for layer in self.layers:
@@ -161,15 +195,26 @@ def _stack_weight(linear: Linear):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` logits
-    in the model's dtype (``rotary``: see ``LlamaModel``)."""
+    in the model's dtype (``rotary``: see ``LlamaModel``).
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding | None = None):
+    ``tensor_parallel_group``: the ranks this model is split over, each built from ``config.shard(N)``; every
+    rank gets the whole logits. None (or one rank): the plain single-process model.
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding | None = None,
+                 tensor_parallel_group: TensorParallelGroup | None = None):
         super().__init__()
         dtype = getattr(torch, config.dtype)
+        group = tensor_parallel_group if tensor_parallel_group and tensor_parallel_group.world_size > 1 else None
         self.config = config
-        self.model = LlamaModel(config, backend, dtype, rotary)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype))
+        self.group = group
+        self.model = LlamaModel(config, backend, dtype, rotary, group)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        elif group is None:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        else:
+            self.lm_head = parallel_lm_head(config.vocab_size, config.hidden_size, dtype, group)
         self._tied_head_packed: linear_ops.PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -183,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(hidden)
+        return logits if self.group is None else gather_logits(logits, self.config.vocab_size, self.group)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
         embedding = self.model.embed_tokens

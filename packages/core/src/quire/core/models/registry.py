@@ -86,6 +86,16 @@ class WeightMapping:
                     return name.replace(name_part, fused.fused_part), offset
         return name, 0
 
+    def part_rows(self, name: str, config: ModelConfig) -> int | None:
+        """Rows of the fused parameter that the checkpoint tensor ``name`` fills (None: not a fused part)."""
+        name = self.rename(name)
+        for fused in self.fused:
+            if fused.applies_to(name):
+                for name_part, rows in fused.parts:
+                    if name_part in name:
+                        return rows(config)
+        return None
+
     def expected_shards(self, parameter_names: Iterable[str], config: ModelConfig) -> set[tuple[str, int]]:
         """Every ``(parameter name, first row)`` a complete checkpoint fills."""
         expected = set()
@@ -116,6 +126,8 @@ class ModelEntry:
     weights: WeightMapping
     model_types: tuple[str, ...] = ()
     text_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # The model class takes ``tensor_parallel_group=`` and splits its layers over the group's ranks.
+    supports_tensor_parallel: bool = False
 
     def model_class(self) -> type:
         return getattr(importlib.import_module(self.module_name), self.class_name)

@@ -36,6 +36,29 @@ def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
+def iterate_weight_shards(folder: str | Path, model: nn.Module, mapping: WeightMapping, config: ModelConfig,
+                          rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like ``iterate_weights``, for rank ``rank`` of a model split ``world_size`` ways: a tensor whose
+    parameter is split (``SHARD_DIM``) comes as this rank's slice only, read from the memory-mapped file
+    without the rest. ``config`` is the rank's shard, whose sizes say how large each slice is."""
+    from quire.core.distributed.group import shard_range
+    from quire.core.models.parallel_layers import SHARD_DIM
+
+    params = dict(model.named_parameters())
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                param = None if mapping.is_skipped(name, config) else params.get(mapping.target(name, config)[0])
+                dim = getattr(param, SHARD_DIM, None)
+                if dim is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                view = handle.get_slice(name)
+                local_size = (mapping.part_rows(name, config) if dim == 0 else None) or param.shape[dim]
+                start, stop = shard_range(view.get_shape()[dim], local_size, rank, world_size)
+                yield name, view[start:stop] if dim == 0 else view[:, start:stop]
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], mapping: WeightMapping,
                  config: ModelConfig) -> None:
     """Copy checkpoint tensors into the model's (fused) parameters as ``mapping`` places them; raise

@@ -11,9 +11,10 @@ import torch
 from quire.core.attention import get_attention_backend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import EngineConfig
+from quire.core.distributed.group import TensorParallelGroup
 from quire.core.models import get_model_entry
 from quire.core.models.layers import quantize_int8
-from quire.core.models.weights import iterate_weights, load_weights
+from quire.core.models.weights import iterate_weight_shards, iterate_weights, load_weights
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
 from quire.core.wire import Logprobs
@@ -57,9 +58,16 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and the persistent batch of one device."""
+    """Owns the model, its KV cache and the persistent batch of one device.
 
-    def __init__(self, config: EngineConfig):
+    With a ``tensor_parallel_group`` of several ranks it owns this rank's shard of the model (and KV heads):
+    every rank is given the same steps and samples the same tokens from the gathered logits.
+    """
+
+    def __init__(self, config: EngineConfig, tensor_parallel_group: TensorParallelGroup | None = None):
+        self.group = tensor_parallel_group or TensorParallelGroup()
+        if self.group.world_size > 1:  # this rank's heads and MLP columns; its KV cache holds its KV heads
+            config = dataclasses.replace(config, model=config.model.shard(self.group.world_size))
         self.config = config
         self.device = resolve_device(config.device)
         if config.num_threads is not None and self.device.type == "cpu":
@@ -70,8 +78,15 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend)(model_config.dtype, str(self.device))
         entry = get_model_entry(model_config.architecture)
         with self.device:  # parameters and buffers are created on the device
-            self.model = entry.model_class()(model_config, self.attn_backend)
-        if model_config.is_gguf:
+            if self.group.world_size > 1:
+                self.model = entry.model_class()(model_config, self.attn_backend, tensor_parallel_group=self.group)
+            else:
+                self.model = entry.model_class()(model_config, self.attn_backend)
+        if self.group.world_size > 1:
+            load_weights(self.model, iterate_weight_shards(model_config.path, self.model, entry.weights, model_config,
+                                                           self.group.rank, self.group.world_size),
+                         entry.weights, model_config)
+        elif model_config.is_gguf:
             from quire.core.models.gguf import GGUFCheckpoint
             from quire.core.models.gguf_weights import load_gguf_weights
 

@@ -1,0 +1,79 @@
+"""``TensorParallelGroup``: the ranks that compute one model together, and their collectives.
+
+A group is an object handed to whatever needs it (the model's parallel layers, the worker that builds them);
+nothing is registered in a module global, so one process may hold several groups (a test's engines) and a
+one-rank group makes every collective a no-op. Ranks meet through a ``TCPStore`` on 127.0.0.1 that rank 0
+serves (``open_store``) and exchange tensors over gloo (CPU tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+# How long a rank waits for the others to start or to join a collective before it raises: a rank that
+# died closes its sockets and fails its peers at once; this bounds a rank that hangs.
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class TensorParallelGroup:
+    """``rank`` of ``world_size`` processes splitting one model; collectives run over ``process_group``.
+
+    ``TensorParallelGroup()`` is the one-rank group: ``all_reduce`` and ``all_gather`` return their input.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None):
+        if world_size > 1 and process_group is None:
+            raise ValueError("a group of several ranks needs a process group")
+        self.rank = rank
+        self.world_size = world_size
+        self.process_group = process_group
+
+    @classmethod
+    def join(cls, store: dist.Store, rank: int, world_size: int,
+             timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> TensorParallelGroup:
+        """Join the gloo group whose ranks meet at ``store`` (returns once every rank has joined)."""
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+        options._timeout = timeout
+        return cls(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, options))
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            self.process_group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along the last dimension, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.process_group.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=-1)
+
+
+def open_store(world_size: int, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """Rank 0's store, on a free loopback port (``store.port``) that the other ranks ``connect_store`` to."""
+    return dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def connect_store(port: int, world_size: int, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+
+
+def shard_range(full_size: int, local_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The ``[start, stop)`` of a dimension of ``full_size`` that ``rank`` holds ``local_size`` of.
+
+    Each rank holds its own consecutive slice (the last ones may be short or empty, e.g. a vocabulary that
+    does not divide evenly), except where the dimension has fewer whole slices than there are ranks (KV
+    heads fewer than ranks): then ranks share slices, neighbours holding the same one.
+    """
+    num_slices, remainder = divmod(full_size, local_size)
+    index = rank * num_slices // world_size if remainder == 0 and num_slices < world_size else rank
+    start = min(index * local_size, full_size)
+    return start, min(start + local_size, full_size)
