@@ -111,17 +111,19 @@ class FakeEngineClient:
     # -- EngineClient
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None) -> OutputStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None) -> OutputStream:
         self.check_health()
         request, text = self._input_processor.process(request_id, prompt, params, arrival_time, priority,
-                                                      cache_salt)
+                                                      cache_salt, data_parallel_rank)
         self.check_admission(params.n, len(request.prompt_token_ids))
         self._in_flight.add(request_id)
         return FakeStream(self, request_id, request.prompt_token_ids, text, request.sampling_params)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *, priority: int = 0,
-                       cache_salt: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+                       cache_salt: str | None = None, timeout: float | None = None,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                        data_parallel_rank=data_parallel_rank)
         async for output in stream:
             yield output
 

@@ -7,7 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from quire.openai_server.metrics import ITL_BUCKETS, BatchHistogram
+from quire.core.outputs import RequestMetrics
+from quire.core.wire import SchedulerStats
+from quire.openai_server.metrics import ITL_BUCKETS, BatchHistogram, ServerMetrics
 from tests.servers import ServerProcess
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 10, 8, 10
@@ -24,7 +26,7 @@ def samples(server):
 
 
 def value(values, name, **labels):
-    labels = {"model_name": "quire-demo", **labels}
+    labels = {"model_name": "quire-demo", "engine": "0", **labels}
     return values[(name, tuple(sorted(labels.items())))]
 
 
@@ -54,21 +56,42 @@ def test_counts_after_ten_requests_of_known_sizes():
         server.stop()
 
 
+def test_each_engine_has_its_own_series():
+    """Data parallelism: gauges and cumulative counters follow each engine's own reports; a finished request
+    counts under the engine that ran it."""
+    metrics = ServerMetrics("quire-demo")
+    metrics.record(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5, num_preemptions=3), [], engine_index=1)
+    metrics.record(SchedulerStats(num_running_reqs=1, num_preemptions=1),
+                   [RequestMetrics(arrival_time=0.0, finish_reason="length", num_prompt_tokens=5, engine_index=1)],
+                   engine_index=0)
+    metrics.record(SchedulerStats(num_waiting_reqs=1, num_preemptions=4), [], engine_index=1)
+    values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+              for family in text_string_to_metric_families(metrics.render().decode()) for sample in family.samples}
+    assert [value(values, "quire:num_requests_running", engine=e) for e in "01"] == [1, 0]
+    assert [value(values, "quire:num_requests_waiting", engine=e) for e in "01"] == [0, 1]
+    assert [value(values, "quire:kv_cache_usage_perc", engine=e) for e in "01"] == [0, 0]
+    assert [value(values, "quire:num_preemptions_total", engine=e) for e in "01"] == [1, 4]
+    assert [value(values, "quire:prompt_tokens_total", engine=e) for e in "01"] == [0, 5]
+    assert value(values, "quire:request_success_total", engine="1", finished_reason="length") == 1
+    assert not any(name == "quire:request_success_total" and ("engine", "0") in labels for name, labels in values)
+
+
 def test_batch_histogram_exposes_what_a_histogram_would():
     """Inter-token latencies are recorded a request at a time; the exposition must be a Histogram's
     (bounds inclusive, values past the last bound in +Inf), creation time aside."""
     name, doc = "quire:inter_token_latency_seconds", "Time between consecutive tokens."
     reference_registry, batch_registry = CollectorRegistry(), CollectorRegistry()
-    reference = Histogram(name, doc, ["model_name"], buckets=ITL_BUCKETS, registry=reference_registry)
-    batch = BatchHistogram(name, doc, ITL_BUCKETS, "m")
+    reference = Histogram(name, doc, ["model_name", "engine"], buckets=ITL_BUCKETS, registry=reference_registry)
+    batch = BatchHistogram(name, doc, ITL_BUCKETS, ["model_name", "engine"])
     batch_registry.register(batch)
     rng = random.Random(0)
-    for _ in range(20):  # requests
+    for request in range(20):
+        engine = str(request % 2)
         gaps = [rng.choice([*ITL_BUCKETS, 0.0, 1000.0]) if rng.random() < 0.3 else rng.expovariate(30)
                 for _ in range(rng.randint(0, 50))]
         for gap in gaps:
-            reference.labels("m").observe(gap)
-        batch.observe_many(gaps)
+            reference.labels("m", engine).observe(gap)
+        batch.labels("m", engine).observe_many(gaps)
 
     def exposed(registry):
         return {(s.name, tuple(sorted(s.labels.items()))): s.value

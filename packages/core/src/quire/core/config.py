@@ -148,6 +148,17 @@ class ModelConfig:
             **architecture_fields,
         )
 
+    def shard(self, tensor_parallel_size: int) -> ModelConfig:
+        """The part of the model one of ``tensor_parallel_size`` ranks computes: its attention heads, its KV
+        heads (one, replicated, where there are fewer KV heads than ranks) and its MLP columns. The
+        vocabulary stays whole: the embedding and LM head split it themselves."""
+        if tensor_parallel_size == 1:
+            return self
+        return dataclasses.replace(
+            self, num_attention_heads=self.num_attention_heads // tensor_parallel_size,
+            num_key_value_heads=max(1, self.num_key_value_heads // tensor_parallel_size),
+            intermediate_size=self.intermediate_size // tensor_parallel_size)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes across all layers."""
@@ -281,15 +292,19 @@ class MultiModalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How many engine cores serve the requests, and which of them a config is for.
+    """How many engine cores serve the requests, which of them a config is for, and over how many
+    processes each engine core splits its model.
 
     Each of the ``data_parallel_size`` engine cores is its own process with a whole copy of the model, its
     own scheduler and KV cache; ``data_parallel_rank`` (0 to size - 1) is the engine's index, which it
-    stamps on everything it sends so that the front end knows where outputs came from.
+    stamps on everything it sends so that the front end knows where outputs came from. With
+    ``tensor_parallel_size`` > 1 an engine core's model is split (attention heads, MLP columns, vocabulary)
+    over that many ranks: the engine core computes rank 0 and worker processes the others.
     """
 
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

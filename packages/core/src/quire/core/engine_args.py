@@ -25,6 +25,7 @@ from quire.core.config import (
 )
 from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
+from quire.core.models.registry import get_model_entry
 from quire.core.parsers.reasoning import REASONING_PARSERS
 from quire.core.parsers.tool_calls import TOOL_PARSERS
 
@@ -86,6 +87,12 @@ def parse_modality_limits(text: str | dict[str, int]) -> dict[str, int]:
     return dict(limits)
 
 
+def _has_cuda() -> bool:
+    import torch  # only for a tensor-parallel config: light imports stay torch-free
+
+    return torch.cuda.is_available()
+
+
 def available_cpu_count() -> int:
     """The cores this process may run on (its affinity mask where the platform has one)."""
     if hasattr(os, "sched_getaffinity"):
@@ -143,6 +150,9 @@ class EngineArgs:
     data_parallel_size: int = option(1, "Engine-core processes, each with a whole copy of the model and its own "
                                         "KV cache (of kv_cache_memory bytes); each request goes to the least "
                                         "loaded one, and the CPU threads are split between them.")
+    tensor_parallel_size: int = option(1, "Processes each engine core splits the model over (attention heads, MLP "
+                                          "columns, vocabulary), joined by torch.distributed (gloo, CPUs only); "
+                                          "the CPU threads are split between them.")
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N.")
     gpu_memory_utilization: float = option(_CACHE.gpu_memory_utilization, "Share of the GPU's memory for "
                                                                           "weights, activations and the KV "
@@ -219,6 +229,8 @@ class EngineArgs:
             model_path = str(builtin_model(self.model) or self.model)
         model = ModelConfig.from_path(model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                       quantization=self.quantization)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model)
         kv_cache_memory = None if self.kv_cache_memory is None else parse_byte_size(self.kv_cache_memory)
         return EngineConfig(
             model=model,
@@ -244,15 +256,35 @@ class EngineArgs:
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
-            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size),
+            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
+                                    tensor_parallel_size=self.tensor_parallel_size),
         )
 
     def _num_threads_per_engine(self) -> int | None:
-        """With several engine cores, each gets its share of the threads (given, or one per usable core as
-        torch's default) so that they do not fight over the cores; a single engine keeps the given count."""
-        if self.data_parallel_size == 1:
+        """With several engine cores or tensor-parallel ranks, each process gets its share of the threads
+        (given, or one per usable core as torch's default) so that they do not fight over the cores; a
+        single process keeps the given count."""
+        num_processes = self.data_parallel_size * self.tensor_parallel_size
+        if num_processes == 1:
             return self.num_threads
-        return max(1, (self.num_threads or available_cpu_count()) // self.data_parallel_size)
+        return max(1, (self.num_threads or available_cpu_count()) // num_processes)
+
+    def _check_tensor_parallel(self, model: ModelConfig) -> None:
+        """ConfigError unless the model can be split ``tensor_parallel_size`` ways on this engine's device."""
+        size = self.tensor_parallel_size
+        if not get_model_entry(model.architecture).supports_tensor_parallel:
+            raise ConfigError(f"tensor_parallel_size {size}: {model.architecture} cannot be split (Llama, Mistral, "
+                              "Qwen2 and Qwen3 checkpoints can)")
+        if model.is_gguf or model.quantization is not None:
+            raise ConfigError(f"tensor_parallel_size {size} runs float checkpoints only (no GGUF or quantization)")
+        if self.device != "cpu" and (self.device != "auto" or _has_cuda()):
+            raise ConfigError(f"tensor_parallel_size {size} runs on CPUs only for now (gloo); use device cpu")
+        kv_heads = model.num_key_value_heads
+        if (model.num_attention_heads % size or model.intermediate_size % size
+                or (kv_heads % size if kv_heads >= size else size % kv_heads)):
+            raise ConfigError(f"tensor_parallel_size {size} must divide the attention heads "
+                              f"({model.num_attention_heads}) and intermediate size ({model.intermediate_size}), "
+                              f"and divide or be a multiple of the KV heads ({kv_heads})")
 
     def _multimodal_config(self) -> MultiModalConfig:
         local_path = None
@@ -281,7 +313,7 @@ class EngineArgs:
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"{field.name} must be one of {', '.join(choices)}; got {value!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval",
-                     "data_parallel_size"):
+                     "data_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:

@@ -35,6 +35,9 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     structured_output_backend: str | None = None  # the grammar library of a constrained request
+    # The data-parallel rank of the engine core that ran it: the one its outputs came from (before any
+    # did, the rank it was pinned to, else 0).
+    engine_index: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

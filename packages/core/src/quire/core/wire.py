@@ -194,6 +194,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     engine_index: int = 0  # the data-parallel rank of the engine core that sent this
+    # Never sent by an engine: a data-parallel client fills it in, beside the sender's own
+    # ``scheduler_stats``, with the whole group's statistics (each engine's latest snapshot combined).
+    group_scheduler_stats: SchedulerStats | None = None
 
 
 class RequestType(bytes, enum.Enum):

@@ -30,6 +30,7 @@ from quire.openai_server.serving import (
     ServerState,
     build_sampling_params,
     chat_logprobs,
+    pinned_engine,
     prompt_logprobs,
     request_id,
     sse,
@@ -55,10 +56,10 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                          auto_available=settings.tool_call_parser is not None)
     params, source = _with_tool_constraint(params, source, tools, settings)
     rid = request_id("chatcmpl", request, body.request_id)
-    with naming_errors(source):
+    with naming_errors(source), pinned_engine(request) as rank:
         stream = await state.engine.add_request(rid, chat_prompt(state, body, tools), params,
                                                 priority=body.priority, cache_salt=body.cache_salt,
-                                                timeout=settings.request_timeout)
+                                                timeout=settings.request_timeout, data_parallel_rank=rank)
     num_prompt_tokens = len(stream.prompt_token_ids)
     parsers = OutputParsers(settings, tools)
     if body.stream:

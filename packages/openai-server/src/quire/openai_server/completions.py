@@ -24,6 +24,7 @@ from quire.openai_server.serving import (
     build_sampling_params,
     legacy_logprobs,
     merge_streams,
+    pinned_engine,
     prompt_logprobs,
     request_id,
     sse,
@@ -52,11 +53,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         stream=body.stream)
     streams = []
     try:
-        with naming_errors(source):
+        with naming_errors(source), pinned_engine(request) as rank:
             for index, prompt in enumerate(_prompts(body)):
                 streams.append(await engine.add_request(f"{base_id}-{index}", prompt, params,
                                                         priority=body.priority, cache_salt=body.cache_salt,
-                                                        timeout=state.settings.request_timeout))
+                                                        timeout=state.settings.request_timeout,
+                                                        data_parallel_rank=rank))
     except BaseException:
         for stream in streams:
             await stream.aclose()

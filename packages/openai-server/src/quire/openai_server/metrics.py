@@ -27,77 +27,109 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    """One registry per server (no process-wide globals); ``record`` is called once per engine step."""
+    """One registry per server (no process-wide globals); ``record`` is called once per engine step.
+
+    Every series carries the labels ``model_name`` and ``engine`` (the data-parallel rank of the engine core,
+    as a string: "0" with one engine), as vLLM's do: scheduler gauges and counters come from that engine's
+    own latest ``SchedulerStats``, and a finished request's counts and timings go to the engine that ran it.
+    """
 
     def __init__(self, model_name: str):
         self.registry = registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=registry).labels(model_name)
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=registry).labels(model_name)
+        labels = ["model_name", "engine"]
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
 
-        self.running = gauge("quire:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("quire:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("quire:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
-        self.prompt_tokens = counter("quire:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("quire:generation_tokens", "Generated tokens of finished requests.")
-        self.preemptions = counter("quire:num_preemptions", "Requests preempted by the scheduler.")
-        self.prefix_cache_queries = counter("quire:prefix_cache_queries", "Tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("quire:prefix_cache_hits", "Tokens found in the prefix cache.")
-        self._success = Counter("quire:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=registry)
-        self.ttft = histogram("quire:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = BatchHistogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
-                                  ITL_BUCKETS, model_name)
-        registry.register(self.itl)
-        self.e2e = histogram("quire:e2e_request_latency_seconds", "Arrival to finish.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("quire:request_queue_time_seconds", "Arrival to first scheduling.",
-                                    REQUEST_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("quire:request_prompt_tokens", "Prompt tokens per request.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("quire:request_generation_tokens",
-                                                   "Generated tokens per request.", TOKEN_BUCKETS)
-        self.compile_seconds = histogram("quire:structured_output_compile_seconds",
+        self.families = {
+            "running": Gauge("quire:num_requests_running", "Requests in the running batch.", labels,
+                             registry=registry),
+            "waiting": Gauge("quire:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+                             registry=registry),
+            "kv_cache_usage": Gauge("quire:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                                    labels, registry=registry),
+            "prompt_tokens": Counter("quire:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=registry),
+            "generation_tokens": Counter("quire:generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=registry),
+            "num_preemptions": Counter("quire:num_preemptions", "Requests preempted by the scheduler.", labels,
+                                       registry=registry),
+            "prefix_cache_queries": Counter("quire:prefix_cache_queries", "Tokens looked up in the prefix cache.",
+                                            labels, registry=registry),
+            "prefix_cache_hits": Counter("quire:prefix_cache_hits", "Tokens found in the prefix cache.", labels,
+                                         registry=registry),
+            "ttft": histogram("quire:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+            "itl": BatchHistogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
+                                  ITL_BUCKETS, labels),
+            "e2e": histogram("quire:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS),
+            "queue_time": histogram("quire:request_queue_time_seconds", "Arrival to first scheduling.",
+                                    REQUEST_LATENCY_BUCKETS),
+            "request_prompt_tokens": histogram("quire:request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_BUCKETS),
+            "request_generation_tokens": histogram("quire:request_generation_tokens",
+                                                   "Generated tokens per request.", TOKEN_BUCKETS),
+            "compile_seconds": histogram("quire:structured_output_compile_seconds",
                                          "Time to compile a structured-output grammar (cache misses).",
-                                         COMPILE_BUCKETS)
-        self._structured = Counter("quire:structured_output_requests", "Finished requests with a "
-                                   "structured-output constraint, by grammar backend.",
-                                   ["model_name", "backend"], registry=registry)
+                                         COMPILE_BUCKETS),
+        }
+        registry.register(self.families["itl"])
+        self.success = Counter("quire:request_success", "Finished requests by finish reason.",
+                               [*labels, "finished_reason"], registry=registry)
+        self.structured = Counter("quire:structured_output_requests", "Finished requests with a "
+                                  "structured-output constraint, by grammar backend.", [*labels, "backend"],
+                                  registry=registry)
+        self._engines: dict[int, EngineSeries] = {}
+        self.engine(0)  # one engine's series exist (at zero) before its first step
+
+    def engine(self, engine_index: int) -> EngineSeries:
+        """The series of one engine core (made on first use: engines are known by their reports)."""
+        series = self._engines.get(engine_index)
+        if series is None:
+            series = self._engines[engine_index] = EngineSeries(self, str(engine_index))
+        return series
+
+    def record(self, stats: SchedulerStats | None, finished: list[RequestMetrics], *,
+               engine_index: int = 0) -> None:
+        if stats is not None:
+            self.engine(engine_index).record_stats(stats)
+        for metrics in finished:
+            self.engine(metrics.engine_index).record_request(metrics)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineSeries:
+    """One engine core's labelled series, bound once (``labels()`` costs a lock and a lookup per call)."""
+
+    def __init__(self, metrics: ServerMetrics, engine: str):
+        self.labels = (metrics.model_name, engine)
+        for key, family in metrics.families.items():
+            setattr(self, key, family.labels(*self.labels))
+        self.success, self.structured = metrics.success, metrics.structured
         self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
-    def record(self, stats: SchedulerStats | None, finished: list[RequestMetrics]) -> None:
-        if stats is not None:
-            self.running.set(stats.num_running_reqs)
-            self.waiting.set(stats.num_waiting_reqs)
-            self.kv_cache_usage.set(stats.kv_cache_usage)
-            for name, counter in (("num_preemptions", self.preemptions),
-                                  ("prefix_cache_queries", self.prefix_cache_queries),
-                                  ("prefix_cache_hits", self.prefix_cache_hits)):
-                total = getattr(stats, name)  # cumulative in the engine: add what is new
-                if total > self._engine_totals[name]:
-                    counter.inc(total - self._engine_totals[name])
-                    self._engine_totals[name] = total
-            for seconds in stats.structured_output_compile_seconds:
-                self.compile_seconds.observe(seconds)
-        for metrics in finished:
-            self._record_request(metrics)
+    def record_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running_reqs)
+        self.waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        for name, total in self._engine_totals.items():
+            new_total = getattr(stats, name)  # cumulative in the engine: add what is new
+            if new_total > total:
+                getattr(self, name).inc(new_total - total)
+                self._engine_totals[name] = new_total
+        for seconds in stats.structured_output_compile_seconds:
+            self.compile_seconds.observe(seconds)
 
-    def _record_request(self, metrics: RequestMetrics) -> None:
+    def record_request(self, metrics: RequestMetrics) -> None:
         self.prompt_tokens.inc(metrics.num_prompt_tokens)
         self.generation_tokens.inc(metrics.num_generation_tokens)
         self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.observe(metrics.num_generation_tokens)
-        self._success.labels(self.model_name, metrics.finish_reason or "unknown").inc()
+        self.success.labels(*self.labels, metrics.finish_reason or "unknown").inc()
         if metrics.structured_output_backend is not None:
-            self._structured.labels(self.model_name, metrics.structured_output_backend).inc()
+            self.structured.labels(*self.labels, metrics.structured_output_backend).inc()
         if metrics.time_to_first_token is not None:
             self.ttft.observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:
@@ -107,19 +139,47 @@ class ServerMetrics:
         times = metrics.token_times
         self.itl.observe_many([later - earlier for earlier, later in zip(times, times[1:])])
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class BatchHistogram:
-    """A histogram (one label: the model name) that takes a request's values in one call: inter-token
-    latencies arrive a request's worth at a time, one per generated token, and ``Histogram.observe`` costs
-    a lock and a walk of the buckets for each. Exposed exactly as a ``Histogram`` of the same name."""
+    """A labelled histogram that takes a request's values in one call: inter-token latencies arrive a
+    request's worth at a time, one per generated token, and ``Histogram.observe`` costs a lock and a walk of
+    the buckets for each. Exposed exactly as a ``Histogram`` of the same name and labels; ``labels(...)``
+    gives the child that ``observe_many`` is called on."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], model_name: str):
-        self.name, self.documentation, self.model_name = name, documentation, model_name
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], labelnames: list[str]):
+        self.name, self.documentation = name, documentation
+        self.labelnames = list(labelnames)
         self.bounds = list(buckets)
-        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self._children: dict[tuple[str, ...], _BatchHistogramChild] = {}
+
+    def labels(self, *values: str) -> _BatchHistogramChild:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes the labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _BatchHistogramChild(self.bounds)
+        return child
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            counts, total = list(child.counts), child.sum
+            cumulative, buckets = 0, []
+            for bound, count in zip([*self.bounds, float("inf")], counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric(list(values), buckets, total)
+            family.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values)),
+                                         child.created))
+        return [family]
+
+
+class _BatchHistogramChild:
+    """One label set's buckets of a ``BatchHistogram``."""
+
+    def __init__(self, bounds: list[float]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
         self.created = time.time()
 
@@ -128,14 +188,3 @@ class BatchHistogram:
         for value in values:
             counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
         self.sum += sum(values)
-
-    def collect(self):
-        counts, total = list(self.counts), self.sum
-        cumulative, buckets = 0, []
-        for bound, count in zip([*self.bounds, float("inf")], counts):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
-        family.add_metric([self.model_name], buckets, total)
-        family.samples.append(Sample(self.name + "_created", {"model_name": self.model_name}, self.created))
-        return [family]

@@ -4,12 +4,13 @@ usage, merging several requests' streams, and racing a handler against the clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import msgspec
 from fastapi import Request
@@ -36,6 +37,7 @@ from quire.openai_server.structured_outputs import constraint_from_request
 
 MAX_OPENAI_TEMPERATURE = 2.0
 MAX_N = 128
+RANK_HEADER = "X-data-parallel-rank"  # vLLM's: pins a request to one engine core of a data-parallel group
 
 
 @dataclasses.dataclass
@@ -70,6 +72,28 @@ class ServerState:
 def request_id(prefix: str, request: Request, body_request_id: str | None) -> str:
     base = body_request_id or request.scope.get("request_id") or uuid.uuid4().hex
     return f"{prefix}-{base}"
+
+
+@contextlib.contextmanager
+def pinned_engine(request: Request) -> Iterator[int | None]:
+    """The engine core the request's ``X-data-parallel-rank`` header pins it to (None without the header),
+    for ``add_request``; a rank that is not an integer, or that the engine refuses, is a 400 naming the
+    header."""
+    value = request.headers.get(RANK_HEADER)
+    rank = None
+    if value is not None:
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ValidationError(f"{RANK_HEADER} must be an integer engine index, got {value!r}",
+                                  param=RANK_HEADER) from None
+    try:
+        yield rank
+    except ValidationError as error:
+        if error.param != "data_parallel_rank":
+            raise
+        raise ValidationError(error.message.replace("data_parallel_rank", RANK_HEADER, 1), param=RANK_HEADER,
+                              code=error.code) from None
 
 
 def build_sampling_params(state: ServerState, body, *, max_tokens: int | None, logprobs: int | None,

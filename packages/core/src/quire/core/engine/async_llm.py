@@ -182,14 +182,14 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                if outputs.scheduler_stats is not None:
-                    self.scheduler_stats = outputs.scheduler_stats
+                if outputs.scheduler_stats is not None:  # the whole group's, with several engine cores
+                    self.scheduler_stats = outputs.group_scheduler_stats or outputs.scheduler_stats
                 engine_outputs = outputs.outputs
                 for start in range(0, len(engine_outputs), _OUTPUT_CHUNK):
                     if start:
                         await asyncio.sleep(0)  # let consumers run between chunks of a large step
-                    await self._dispatch(engine_outputs[start:start + _OUTPUT_CHUNK])
-                self._record_stats(outputs.scheduler_stats)
+                    await self._dispatch(engine_outputs[start:start + _OUTPUT_CHUNK], outputs.engine_index)
+                self._record_stats(outputs.scheduler_stats, outputs.engine_index)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - the engine is gone: tell every waiter
@@ -204,18 +204,18 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)
 
-    def _record_stats(self, stats: SchedulerStats | None = None) -> None:
-        """Hand the stat loggers this message's scheduler stats (None: it carried none) and the requests
-        finished since."""
+    def _record_stats(self, stats: SchedulerStats | None = None, engine_index: int = 0) -> None:
+        """Hand the stat loggers this message's scheduler stats (None: it carried none), the rank of the
+        engine core that sent them, and the requests finished since."""
         finished = self.output_processor.take_newly_finished()
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(stats, finished)
+                stat_logger.record(stats, finished, engine_index=engine_index)
             except Exception:  # noqa: BLE001 - metrics must never take the server down
                 logger.exception("a stat logger failed")
 
-    async def _dispatch(self, engine_outputs) -> None:
-        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+    async def _dispatch(self, engine_outputs, engine_index: int) -> None:
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs, engine_index)
         for output in request_outputs:
             collector = self.collectors.get(output.request_id)
             if collector is not None:

@@ -52,6 +52,22 @@ class EngineCoreClient(abc.ABC):
     def shutdown(self) -> None: ...
 
 
+class AsyncOnlyClient(EngineCoreClient):
+    """Base of the asyncio clients: the synchronous interface is not available on them."""
+
+    def add_request(self, request):
+        raise TypeError("use add_request_async with an asyncio engine-core client")
+
+    def abort_requests(self, request_ids):
+        raise TypeError("use abort_requests_async with an asyncio engine-core client")
+
+    def get_output(self):
+        raise TypeError("use get_output_async with an asyncio engine-core client")
+
+    def call_utility(self, method, *args):
+        raise TypeError("use call_utility_async with an asyncio engine-core client")
+
+
 class InprocClient(EngineCoreClient):
     """Runs the engine core in the caller's process and thread (tests, simple scripts)."""
 
@@ -75,4 +91,4 @@ class InprocClient(EngineCoreClient):
         return run_utility(self.engine_core, method, args)
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()  # stops the executor's workers, if it has any

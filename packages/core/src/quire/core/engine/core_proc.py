@@ -132,8 +132,11 @@ class EngineCoreProc:
         """The busy loop; returns the process exit code."""
         try:
             while not self._shutdown.is_set():
-                self._process_input(block=not self.engine_core.has_unfinished_requests())
-                if self.engine_core.has_unfinished_requests() and not self._shutdown.is_set():
+                had_requests = self.engine_core.has_unfinished_requests()
+                self._process_input(block=not had_requests)
+                # NOTE: when aborts leave the engine idle, the step still runs once (it returns at once
+                # with no outputs) so that the front end's statistics see the freed requests and blocks.
+                if (had_requests or self.engine_core.has_unfinished_requests()) and not self._shutdown.is_set():
                     self.output_queue.put(self.engine_core.step())
         except BaseException:  # noqa: BLE001 - any error kills the engine, and the front end must know
             logger.exception("engine core died")

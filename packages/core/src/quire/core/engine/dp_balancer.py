@@ -6,9 +6,10 @@ goes to the engine with the lowest load. Ties are broken in rotation, from a cur
 chosen engine, so that a burst of requests sent before any report alternates between the engines instead of
 piling onto engine 0.
 
-NOTE: an idle engine sends no report after an abort (it takes no step), so its last report may still count
-requests that are gone. A load is therefore capped at the number of requests this client has in flight on
-that engine: with one front end per engine group, an engine cannot hold more of ours.
+NOTE: a report lags the aborts sent after it (an engine left idle by aborts reports once more, but only
+when it has processed them), so it may still count requests that are gone. A load is therefore capped at
+the number of requests this client has in flight on that engine: with one front end per engine group, an
+engine cannot hold more of ours.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 ``AsyncMPClient`` per data-parallel rank, each engine with its own scheduler and KV cache, all filling one
 output queue. A new request goes to the engine the ``DataParallelBalancer`` picks (or the one it is pinned
 to); an abort goes to the engines holding the requests; outputs come from whichever engine produced them
-(``EngineCoreOutputs.engine_index`` says which), with the group's combined scheduler statistics in place of
-the engine's own. A utility call runs on every engine and the answers are combined (``dp_combine``).
+(``EngineCoreOutputs.engine_index`` says which), with the engine's own scheduler statistics and, beside
+them, the group's combined ones (``group_scheduler_stats``). A utility call runs on every engine and the
+answers are combined (``dp_combine``).
 
 If any engine dies, the group is dead: the others are stopped and every waiting caller gets
 ``EngineDeadError``.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from quire.core.config import EngineConfig
-from quire.core.engine.core_client import EngineCoreClient
+from quire.core.engine.core_client import AsyncOnlyClient, EngineCoreClient
 from quire.core.engine.dp_balancer import DataParallelBalancer
 from quire.core.engine.dp_combine import combine_scheduler_stats, combine_utility_results
 from quire.core.engine.mp_client import AsyncMPClient, MPClient, SyncMPClient
@@ -102,7 +103,7 @@ class _DataParallelGroup(EngineCoreClient):
         self.balancer.record_outputs(item)
         if item.scheduler_stats is not None:
             self._latest_stats[item.engine_index] = item.scheduler_stats
-            item.scheduler_stats = combine_scheduler_stats(
+            item.group_scheduler_stats = combine_scheduler_stats(
                 self._latest_stats, item.scheduler_stats, [engine.num_blocks for engine in self.engines])
         return item
 
@@ -155,7 +156,7 @@ class DPSyncClient(_DataParallelGroup):
         return self._combine(method, outcomes)
 
 
-class DPAsyncClient(_DataParallelGroup):
+class DPAsyncClient(_DataParallelGroup, AsyncOnlyClient):
     """asyncio data-parallel client for ``AsyncLLM``."""
 
     def __init__(self, config: EngineConfig):
@@ -190,15 +191,3 @@ class DPAsyncClient(_DataParallelGroup):
                                           for engine in self.engines], return_exceptions=True)
         return self._combine(method, outcomes)
 
-    # The synchronous interface is not available on an asyncio client.
-    def add_request(self, request):
-        raise TypeError("use add_request_async with an asyncio engine-core client")
-
-    def abort_requests(self, request_ids):
-        raise TypeError("use abort_requests_async with an asyncio engine-core client")
-
-    def get_output(self):
-        raise TypeError("use get_output_async with an asyncio engine-core client")
-
-    def call_utility(self, method, *args):
-        raise TypeError("use call_utility_async with an asyncio engine-core client")

@@ -108,9 +108,10 @@ class LLMEngine:
         started = time.perf_counter()
         engine_outputs = self.engine_core.get_output()
         received = time.perf_counter()
-        if engine_outputs.scheduler_stats is not None:
-            self.scheduler_stats = engine_outputs.scheduler_stats
-        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+        if engine_outputs.scheduler_stats is not None:  # the whole group's, with several engine cores
+            self.scheduler_stats = engine_outputs.group_scheduler_stats or engine_outputs.scheduler_stats
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs.outputs,
+                                                                          engine_outputs.engine_index)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         self.frontend_timings["waiting"] += received - started

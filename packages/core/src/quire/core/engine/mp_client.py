@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from quire.core.config import EngineConfig
-from quire.core.engine.core_client import EngineCoreClient
+from quire.core.engine.core_client import AsyncOnlyClient, EngineCoreClient
 from quire.core.errors import ConfigError, EngineDeadError, EngineUtilityError
 from quire.core.wire import (
     ENGINE_DEAD_SENTINEL,
@@ -267,7 +267,7 @@ class SyncMPClient(MPClient):
 
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(MPClient, AsyncOnlyClient):
     """asyncio client for ``AsyncLLM``: a reader task fills an ``asyncio.Queue``."""
 
     def __init__(self, config: EngineConfig, outputs: asyncio.Queue | None = None,
@@ -355,19 +355,6 @@ class AsyncMPClient(MPClient):
         except TimeoutError:
             self._pending_calls.pop(call.call_id, None)
             raise EngineUtilityError(f"{method} got no answer from the engine core in {timeout:.0f} s") from None
-
-    # The synchronous interface is not available on an asyncio client.
-    def add_request(self, request):
-        raise TypeError("use add_request_async with an asyncio engine-core client")
-
-    def abort_requests(self, request_ids):
-        raise TypeError("use abort_requests_async with an asyncio engine-core client")
-
-    def get_output(self):
-        raise TypeError("use get_output_async with an asyncio engine-core client")
-
-    def call_utility(self, method, *args):
-        raise TypeError("use call_utility_async with an asyncio engine-core client")
 
     def shutdown(self) -> None:
         reader = self._reader

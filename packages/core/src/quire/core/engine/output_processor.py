@@ -86,7 +86,8 @@ class OutputProcessor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
             logprobs=LogprobsAccumulator(self.tokenizer, params.logprobs, params.prompt_logprobs),
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                                   num_prompt_tokens=len(request.prompt_token_ids)),
+                                   num_prompt_tokens=len(request.prompt_token_ids),
+                                   engine_index=request.data_parallel_rank or 0),
             stream_interval=max(self.stream_interval, params.stream_interval or 1),
             stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else request.eos_token_ids),
         )
@@ -145,15 +146,17 @@ class OutputProcessor:
         return engine_ids, final_outputs
 
     def process_outputs(
-        self, engine_outputs: list[EngineCoreOutput]
+        self, engine_outputs: list[EngineCoreOutput], engine_index: int = 0
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Return the outputs to hand to users and the engine ids to abort (stop strings)."""
+        """Return the outputs to hand to users and the engine ids to abort (stop strings);
+        ``engine_index`` is the data-parallel rank of the engine core that sent them."""
         request_outputs, to_abort = [], []
         now = time.monotonic()
         for output in engine_outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
+            state.metrics.engine_index = engine_index
             self._update(state, output, now)
             if state.finish_reason is not None and not output.finished:
                 to_abort.append(output.request_id)  # stopped by a stop string

@@ -20,10 +20,13 @@ from quire.core.wire import SchedulerStats
 
 
 class StatLogger(Protocol):
-    """Receives, once per engine step, the scheduler's statistics (None before the first step) and the
-    metrics of the requests that finished since the last call. Must not raise (errors are logged)."""
+    """Receives, once per engine step, that engine core's scheduler statistics (None when the call carries
+    none), its data-parallel rank ``engine_index`` (0 with one engine), and the metrics of the requests that
+    finished since the last call, each naming its own engine (``RequestMetrics.engine_index``). Must not
+    raise (errors are logged)."""
 
-    def record(self, scheduler_stats: SchedulerStats | None, finished: list[RequestMetrics]) -> None: ...
+    def record(self, scheduler_stats: SchedulerStats | None, finished: list[RequestMetrics], *,
+               engine_index: int = 0) -> None: ...
 
 
 class OutputStream(Protocol):
