@@ -29,7 +29,7 @@ from typing import Any
 
 from quire.core.config import EngineConfig
 from quire.core.distributed.group import TensorParallelGroup, connect_store, open_store
-from quire.core.engine.executor import Executor
+from quire.core.engine.executor import UniProcExecutor
 from quire.core.errors import ConfigError, EngineDeadError
 from quire.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from quire.core.timing import StepTimings
@@ -91,8 +91,11 @@ class WorkerHandle:
     connection: Any  # the engine core's end of the pipe
 
 
-class MultiprocExecutor(Executor):
-    """Rank 0 of ``config.parallel.tensor_parallel_size`` in this process, the other ranks in workers."""
+class MultiprocExecutor(UniProcExecutor):
+    """Rank 0 of ``config.parallel.tensor_parallel_size`` in this process, the other ranks in workers.
+
+    Rank 0's runner answers the one-runner queries (``num_threads``, ``num_runner_rows``) as
+    ``UniProcExecutor``'s does; ``__init__`` builds that runner itself, with its group."""
 
     def __init__(self, config: EngineConfig):
         world_size = config.parallel.tensor_parallel_size
@@ -141,12 +144,6 @@ class MultiprocExecutor(Executor):
         if request_ids:
             self._send(WorkerCall(CallKind.REMOVE_REQUESTS, request_ids))
             self.model_runner.remove_requests(request_ids)
-
-    def num_threads(self) -> int:
-        return self.model_runner.num_threads()
-
-    def num_runner_rows(self) -> int:
-        return self.model_runner.input_batch.num_reqs
 
     def shutdown(self) -> None:
         if self.is_shut_down:
