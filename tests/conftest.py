@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from tests.ray_cluster import ray_cluster  # noqa: F401 (a module's one-node Ray cluster, for the Ray tests)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Most tests run the engine core in-process (starting a process per LLM would add seconds each);

@@ -8,7 +8,7 @@ import pytest
 
 from quire.core.engine import executor as executor_module
 from quire.core.engine.core import EngineCore
-from quire.core.engine.executor import Executor, UniProcExecutor, get_executor_class
+from quire.core.engine.executor import Executor, UniProcExecutor, default_executor_backend, get_executor_class
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ConfigError
 from quire.core.sampling_params import SamplingParams
@@ -67,12 +67,23 @@ class FakeExecutor(Executor):
 
 
 def test_unknown_executor_is_refused_by_name(llama_checkpoint):
-    with pytest.raises(ConfigError, match="unknown executor 'ray'"):
-        EngineCore(engine_config(llama_checkpoint), executor_backend="ray")
-    with pytest.raises(ConfigError, match="'nope'.*mp, uniproc"):
+    with pytest.raises(ConfigError, match="unknown executor 'nope'"):
+        EngineCore(engine_config(llama_checkpoint), executor_backend="nope")
+    with pytest.raises(ConfigError, match="'nope'.*mp, ray, uniproc"):
         get_executor_class("nope")
     assert get_executor_class("uniproc") is UniProcExecutor
     assert get_executor_class("mp").__name__ == "MultiprocExecutor"
+    assert get_executor_class("ray").__name__ == "RayExecutor"
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({}, "uniproc"),
+    ({"distributed_executor_backend": "ray"}, "uniproc"),
+    ({"tensor_parallel_size": 2}, "mp"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "ray"),
+])
+def test_default_executor_follows_the_parallel_config(llama_checkpoint, options, expected):
+    assert default_executor_backend(engine_config(llama_checkpoint, **options)) == expected
 
 
 def test_engine_core_drives_any_executor(llama_checkpoint, monkeypatch):

@@ -55,9 +55,14 @@ def checkpoint(tiny_checkpoint, tiny_tokenizer, tmp_path_factory):
     return get
 
 
+def make_prompts(corpus_token_ids):
+    """NUM_PROMPTS prompts of 1 to 58 tokens from the corpus (also test_ray_tensor_parallel's)."""
+    return [corpus_token_ids[i * 457:i * 457 + 1 + 3 * i] for i in range(NUM_PROMPTS)]
+
+
 @pytest.fixture(scope="module")
 def prompts(corpus_token_ids):
-    return [corpus_token_ids[i * 457:i * 457 + 1 + 3 * i] for i in range(NUM_PROMPTS)]
+    return make_prompts(corpus_token_ids)
 
 
 def hf_greedy(path, prompts):
@@ -74,9 +79,10 @@ def hf_greedy(path, prompts):
     return results
 
 
-def run(path, prompts, tensor_parallel_size):
-    """Greedy ids and each prompt's logprobs of its own tokens."""
-    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tensor_parallel_size)
+def run(path, prompts, tensor_parallel_size, **options):
+    """Greedy ids and each prompt's logprobs of its own tokens (``options``: more of ``LLM``'s)."""
+    llm = LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tensor_parallel_size,
+              **options)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, prompt_logprobs=0)
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -305,6 +305,32 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     tensor_parallel_size: int = 1
+    # Where the tensor-parallel workers run: "mp" (processes of this machine) or "ray" (Ray actors).
+    distributed_executor_backend: str = "mp"
+    # Where the engine cores run: "mp" (processes started by the front end, or by headless launchers on other
+    # machines that connect to it) or "ray" (Ray actors placed across the cluster's nodes).
+    data_parallel_backend: str = "mp"
+    # Several machines: the front end runs ranks [0, size_local) and waits for the others, which headless
+    # launchers start (ranks [start_rank, start_rank + size_local) each) and connect over TCP to the front
+    # end's address and RPC port. None: every engine core is local.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+
+    @property
+    def num_local_engines(self) -> int:
+        """The engine cores this machine's front end (or headless launcher) starts as its own processes."""
+        if self.data_parallel_backend == "ray":
+            return 0
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size - self.data_parallel_start_rank
+        return self.data_parallel_size_local
+
+    @property
+    def uses_engine_group(self) -> bool:
+        """Whether the front end needs a data-parallel client: several engine cores, or any not its own."""
+        return self.data_parallel_size > 1 or self.num_local_engines < self.data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)

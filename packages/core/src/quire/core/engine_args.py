@@ -153,6 +153,20 @@ class EngineArgs:
     tensor_parallel_size: int = option(1, "Processes each engine core splits the model over (attention heads, MLP "
                                           "columns, vocabulary), joined by torch.distributed (gloo, CPUs only); "
                                           "the CPU threads are split between them.")
+    distributed_executor_backend: str = option("mp", "Where tensor-parallel workers run: mp (processes of this "
+                                                     "machine) or ray (Ray actors, one placement-group bundle "
+                                                     "per rank; needs quire-core[ray]).", choices=("mp", "ray"))
+    data_parallel_backend: str = option("mp", "Where engine cores run: mp (processes, with headless launchers on "
+                                              "other machines) or ray (Ray actors across the cluster's nodes; "
+                                              "needs quire-core[ray]).", choices=("mp", "ray"))
+    data_parallel_size_local: int | None = option(None, "Engine cores this machine runs (default: all of "
+                                                        "data_parallel_size); the front end waits for headless "
+                                                        "launchers to connect the others.")
+    data_parallel_start_rank: int = option(0, "The first data-parallel rank this machine runs (headless "
+                                              "launchers).")
+    data_parallel_address: str = option("127.0.0.1", "The front end's address that engine cores on other "
+                                                     "machines (headless or Ray) connect to.")
+    data_parallel_rpc_port: int = option(29550, "The front end's TCP port where remote engine cores register.")
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N.")
     gpu_memory_utilization: float = option(_CACHE.gpu_memory_utilization, "Share of the GPU's memory for "
                                                                           "weights, activations and the KV "
@@ -257,14 +271,24 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
-                                    tensor_parallel_size=self.tensor_parallel_size),
+                                    data_parallel_rank=self.data_parallel_start_rank,
+                                    tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend,
+                                    data_parallel_backend=self.data_parallel_backend,
+                                    data_parallel_size_local=self.data_parallel_size_local,
+                                    data_parallel_start_rank=self.data_parallel_start_rank,
+                                    data_parallel_address=self.data_parallel_address,
+                                    data_parallel_rpc_port=self.data_parallel_rpc_port),
         )
 
     def _num_threads_per_engine(self) -> int | None:
         """With several engine cores or tensor-parallel ranks, each process gets its share of the threads
         (given, or one per usable core as torch's default) so that they do not fight over the cores; a
         single process keeps the given count."""
-        num_processes = self.data_parallel_size * self.tensor_parallel_size
+        # NOTE: with Ray the same split holds on a one-node cluster; across nodes give num_threads per node
+        local_engines = self.data_parallel_size if self.data_parallel_size_local is None else max(
+            1, self.data_parallel_size_local)
+        num_processes = local_engines * self.tensor_parallel_size
         if num_processes == 1:
             return self.num_threads
         return max(1, (self.num_threads or available_cpu_count()) // num_processes)
@@ -316,6 +340,16 @@ class EngineArgs:
                      "data_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size - self.data_parallel_start_rank:
+            raise ConfigError(f"data_parallel_size_local must be between 0 and data_parallel_size - "
+                              f"data_parallel_start_rank ({self.data_parallel_size - self.data_parallel_start_rank}),"
+                              f" got {local}")
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise ConfigError(f"data_parallel_start_rank must be between 0 and data_parallel_size - 1, got "
+                              f"{self.data_parallel_start_rank}")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ConfigError(f"data_parallel_rpc_port must be a TCP port (1-65535), got {self.data_parallel_rpc_port}")
         if self.long_prefill_token_threshold < 0 or self.max_logprobs < -1:
             raise ConfigError("long_prefill_token_threshold must be >= 0 and max_logprobs >= -1")
         if self.num_threads is not None and self.num_threads < 1:

@@ -205,6 +205,7 @@ class RequestType(bytes, enum.Enum):
     ADD = b"\x00"  # payload: EngineCoreRequest
     ABORT = b"\x01"  # payload: list of request ids
     UTILITY = b"\x02"  # payload: UtilityCall
+    SHUTDOWN = b"\x03"  # payload: empty; an engine core elsewhere (no signal reaches it) stops as on SIGTERM
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
@@ -221,6 +222,23 @@ class EngineReady(msgspec.Struct, array_like=True, tag=True, gc=False):
     max_model_len: int
     num_blocks: int
     block_size: int
+
+
+class EngineRegistration(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """A headless launcher's request for where engine core ``rank`` of a ``data_parallel_size`` group must
+    connect (sent to the front end's RPC port)."""
+
+    rank: int
+    data_parallel_size: int
+
+
+class EngineAssignment(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """The front end's answer to an ``EngineRegistration``: the engine core's input and output addresses, or
+    why the rank was refused."""
+
+    input_address: str = ""
+    output_address: str = ""
+    refusal: str | None = None
 
 
 class EngineStartupFailure(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -37,6 +37,10 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     server.add_argument("--enable-debug-routes", action="store_true",
                         help="serve /debug/state and /debug/check_idle (API-key protected when keys are set)")
+    server.add_argument("--headless", action="store_true",
+                        help="no HTTP server: run this machine's engine cores (--data-parallel-start-rank, "
+                             "--data-parallel-size-local) for the front end at --data-parallel-address and "
+                             "--data-parallel-rpc-port")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 
@@ -77,6 +81,15 @@ def main(argv: list[str] | None = None, prog: str = "quire-openai-server") -> No
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args, settings = settings_from_args(args)
+    if args.headless:
+        from quire.core.engine.remote_engines import run_headless
+        from quire.core.errors import ConfigError
+
+        try:
+            sys.exit(run_headless(engine_args.create_engine_config()))
+        except ConfigError as error:
+            logger.error("%s", error)
+            sys.exit(1)
     from quire.openai_server.server import run_server
 
     sys.exit(run_server(engine_args, settings))

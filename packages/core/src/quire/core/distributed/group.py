@@ -2,8 +2,9 @@
 
 A group is an object handed to whatever needs it (the model's parallel layers, the worker that builds them);
 nothing is registered in a module global, so one process may hold several groups (a test's engines) and a
-one-rank group makes every collective a no-op. Ranks meet through a ``TCPStore`` on 127.0.0.1 that rank 0
-serves (``open_store``) and exchange tensors over gloo (CPU tensors).
+one-rank group makes every collective a no-op. Ranks meet through a ``TCPStore`` that rank 0 serves
+(``open_store``) and exchange tensors over gloo (CPU tensors), on 127.0.0.1 when every rank is on one machine
+and on each machine's own address otherwise (the Ray executor across nodes).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ class TensorParallelGroup:
         self.process_group = process_group
 
     @classmethod
-    def join(cls, store: dist.Store, rank: int, world_size: int,
+    def join(cls, store: dist.Store, rank: int, world_size: int, host: str = LOOPBACK,
              timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> TensorParallelGroup:
-        """Join the gloo group whose ranks meet at ``store`` (returns once every rank has joined)."""
+        """Join the gloo group whose ranks meet at ``store`` (returns once every rank has joined); the other
+        ranks reach this one at ``host``, this machine's address."""
         options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
         return cls(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, options))
 
@@ -57,13 +59,16 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=-1)
 
 
-def open_store(world_size: int, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
-    """Rank 0's store, on a free loopback port (``store.port``) that the other ranks ``connect_store`` to."""
-    return dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+def open_store(world_size: int, host: str = LOOPBACK,
+               timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """Rank 0's store, on a free port (``store.port``) of ``host`` (rank 0's address) that the other ranks
+    ``connect_store`` to."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def connect_store(port: int, world_size: int, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
-    return dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+def connect_store(host: str, port: int, world_size: int,
+                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def shard_range(full_size: int, local_size: int, rank: int, world_size: int) -> tuple[int, int]:

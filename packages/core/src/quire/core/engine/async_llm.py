@@ -35,7 +35,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list[StatLogger] | None = None):
         self.config = config
         self.model_config = config.model
-        if engine_core is None and config.parallel.data_parallel_size > 1:
+        if engine_core is None and config.parallel.uses_engine_group:
             from quire.core.engine.dp_client import DPAsyncClient
 
             engine_core = DPAsyncClient(config)

@@ -42,12 +42,14 @@ logger = logging.getLogger(__name__)
 
 _SHUTDOWN = object()  # wakes the busy loop to stop
 _PARENT_POLL_SECONDS = 0.5
+_WATCH_POLL_MS = 100
 
 
 def main() -> None:
-    """``python -m quire.core.engine.core_proc INPUT OUTPUT PARENT_PID SOCKET_DIR`` with the
-    msgpack-encoded ``EngineConfig`` on stdin (how ``MPClient`` starts the engine core)."""
-    input_address, output_address, parent_pid, socket_dir = sys.argv[1:5]
+    """``python -m quire.core.engine.core_proc INPUT OUTPUT PARENT_PID [SOCKET_DIR]`` with the
+    msgpack-encoded ``EngineConfig`` on stdin (how ``MPClient`` and headless launchers start engine cores)."""
+    input_address, output_address, parent_pid = sys.argv[1:4]
+    socket_dir = sys.argv[4] if len(sys.argv) > 4 else None
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineConfig)
     run_engine_core(config, input_address, output_address, int(parent_pid), socket_dir)
 
@@ -55,12 +57,35 @@ def main() -> None:
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
                     socket_dir: str | None = None) -> None:
     """Run the engine core process until it is told to stop, its parent dies, or it fails."""
+    configure_logging()
+    _watch_parent(parent_pid, socket_dir)
+    exit_code = serve_engine_core(config, input_address, output_address, handle_signals=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: os._exit, not sys.exit: the input thread is blocked in recv and the zmq context must not
+    # be waited for at interpreter shutdown.
+    os._exit(exit_code)
+
+
+def configure_logging() -> None:
     logging.basicConfig(level=os.environ.get("QUIRE_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [engine core] %(message)s")
-    _watch_parent(parent_pid, socket_dir)
+
+
+def serve_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                      handle_signals: bool = False) -> int:
+    """Build the engine core, report to the front end at the two addresses, and serve it until told to stop
+    or until it fails; returns the exit code. Over TCP (an engine core on another machine or in a Ray actor)
+    the process exits as soon as the front end disconnects."""
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 4000)  # so that the dead sentinel still leaves
+    stop_watch = None
+    if output_address.startswith("tcp://"):
+        from quire.core.engine.mp_client import set_heartbeats
+
+        set_heartbeats(output_socket)
+        stop_watch = _watch_front_end(output_socket, output_address)
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
@@ -70,22 +95,41 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except BaseException as error:  # noqa: BLE001 - every start-up failure is reported
         logger.exception("engine core failed to start")
         output_socket.send(encoder.encode(EngineStartupFailure(type(error).__name__, str(error))))
+        if stop_watch is not None:
+            stop_watch.set()
         output_socket.close()
-        context.term()
-        sys.exit(1)
+        return 1
     freeze_gc_heap()
     output_socket.send(encoder.encode(EngineReady(config.model.max_model_len, engine_core.num_blocks,
                                                   config.cache.block_size)))
     process = EngineCoreProc(engine_core, context, input_address, output_socket)
-    signal.signal(signal.SIGTERM, lambda *_: process.request_shutdown())
-    signal.signal(signal.SIGINT, lambda *_: process.request_shutdown())
+    if handle_signals:
+        signal.signal(signal.SIGTERM, lambda *_: process.request_shutdown())
+        signal.signal(signal.SIGINT, lambda *_: process.request_shutdown())
     exit_code = process.run()
+    if stop_watch is not None:
+        stop_watch.set()
     output_socket.close(linger=2000)  # the output thread is done with it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # NOTE: os._exit, not sys.exit: the input thread is blocked in recv and the zmq context must not
-    # be waited for at interpreter shutdown.
-    os._exit(exit_code)
+    return exit_code
+
+
+def _watch_front_end(socket: zmq.Socket, address: str) -> threading.Event:
+    """Exit the process when the front end at ``address`` disconnects (it died, or went silent past the
+    heartbeat timeout): an engine core elsewhere has no parent process to watch. Setting the returned event
+    stops the watch (the engine core ended normally)."""
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            if monitor.poll(_WATCH_POLL_MS):
+                logger.error("the front end at %s disconnected; the engine core exits", address)
+                sys.stderr.flush()
+                os._exit(1)
+        monitor.close(linger=0)
+
+    threading.Thread(target=watch, name="front-end-watchdog", daemon=True).start()
+    return stop
 
 
 def freeze_gc_heap() -> None:
@@ -97,6 +141,7 @@ def freeze_gc_heap() -> None:
 
 
 def _watch_parent(parent_pid: int, socket_dir: str | None) -> None:
+    """Exit when the parent (the front end, or a headless launcher) is gone."""
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(_PARENT_POLL_SECONDS)
@@ -191,6 +236,9 @@ class EngineCoreProc:
             type_frame, payload = socket.recv_multipart(copy=False)
             try:
                 request_type = RequestType(type_frame.bytes)
+                if request_type == RequestType.SHUTDOWN:
+                    self.request_shutdown()
+                    return
                 self.input_queue.put((request_type, decoders[request_type].decode(payload.buffer)))
             except (ValueError, msgspec.DecodeError) as error:
                 logger.error("dropped an undecodable message: %s", error)

@@ -32,12 +32,33 @@ from quire.core.wire import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 logger = logging.getLogger(__name__)
 
 
-def start_engines(config: EngineConfig, make_client: Callable[[EngineConfig], MPClient]) -> list[MPClient]:
-    """One client (and engine process) per data-parallel rank, started at the same time; if any fails to
-    start, the others are shut down and its error is raised."""
-    size = config.parallel.data_parallel_size
-    with ThreadPoolExecutor(size, thread_name_prefix="engine-start") as pool:
-        futures = [pool.submit(make_client, config.for_data_parallel_rank(rank)) for rank in range(size)]
+def start_engines(config: EngineConfig, make_client: Callable[..., MPClient]) -> list[MPClient]:
+    """One client (and engine core) per data-parallel rank, started at the same time: ranks below
+    ``num_local_engines`` as child processes, the others through headless launchers that register at the
+    front end's RPC port, or all as Ray actors (``remote_engines``). If any fails to start, the others are
+    shut down and its error is raised."""
+    from quire.core.engine import remote_engines
+
+    parallel = config.parallel
+    size, num_local = parallel.data_parallel_size, parallel.num_local_engines
+    registrar = None
+    if parallel.data_parallel_backend == "ray":
+        launchers = [remote_engines.RayEngineLauncher()] * size
+    else:
+        if num_local < size:
+            registrar = remote_engines.EngineRegistrar(parallel.data_parallel_address,
+                                                       parallel.data_parallel_rpc_port, list(range(num_local, size)),
+                                                       size)
+        launchers = [None if rank < num_local else
+                     remote_engines.HeadlessEngineLauncher(registrar, parallel.data_parallel_address)
+                     for rank in range(size)]
+    try:
+        with ThreadPoolExecutor(size, thread_name_prefix="engine-start") as pool:
+            futures = [pool.submit(make_client, config.for_data_parallel_rank(rank), launcher=launchers[rank])
+                       for rank in range(size)]
+    finally:
+        if registrar is not None:
+            registrar.close()
     clients = [future.result() for future in futures if future.exception() is None]
     errors = [future.exception() for future in futures if future.exception() is not None]
     if errors:
@@ -55,8 +76,8 @@ class _DataParallelGroup(EngineCoreClient):
         self._dead_rank: int | None = None
         self._death_lock = threading.Lock()
         self.engines: list[MPClient] = []
-        self.engines = start_engines(config, lambda rank_config: make_client(
-            rank_config, outputs=outputs, on_dead=self._engine_died))
+        self.engines = start_engines(config, lambda rank_config, launcher: make_client(
+            rank_config, outputs=outputs, on_dead=self._engine_died, launcher=launcher))
         self.balancer = DataParallelBalancer(len(self.engines))
         self.num_blocks = sum(engine.num_blocks for engine in self.engines)
         self.max_model_len = min(engine.max_model_len for engine in self.engines)
@@ -118,9 +139,8 @@ class _DataParallelGroup(EngineCoreClient):
         return combine_utility_results(method, outcomes)
 
     def shutdown(self) -> None:
-        for engine in self.engines:  # signal every process first, so that they stop together
-            if engine.process.poll() is None:
-                engine.process.terminate()
+        for engine in self.engines:  # signal every engine core first, so that they stop together
+            engine.stop_engine()
         for engine in self.engines:
             engine.shutdown()
 

@@ -1,8 +1,8 @@
 """The seam between ``EngineCore`` and the model runner(s): the ``Executor`` contract and executors by name.
 
 ``EngineCore`` talks to the model only through an executor, so one that drives several runners (tensor
-parallelism over worker processes) replaces ``UniProcExecutor`` without changing the engine core. This
-module imports no torch; an executor imports its runners when it is built.
+parallelism over worker processes or Ray actors) replaces ``UniProcExecutor`` without changing the engine
+core. This module imports no torch; an executor imports its runners when it is built.
 """
 
 from __future__ import annotations
@@ -109,10 +109,12 @@ def get_executor_class(name: str) -> type[Executor]:
 
 
 def default_executor_backend(config: EngineConfig) -> str:
-    """The executor a config needs: "mp" (tensor-parallel worker processes) when its model is split over
-    several ranks, else "uniproc"."""
-    return "mp" if config.parallel.tensor_parallel_size > 1 else "uniproc"
+    """The executor a config needs: when its model is split over several ranks, its
+    ``distributed_executor_backend`` ("mp": worker processes, "ray": Ray actors), else "uniproc"."""
+    parallel = config.parallel
+    return parallel.distributed_executor_backend if parallel.tensor_parallel_size > 1 else "uniproc"
 
 
 register_executor("uniproc", "quire.core.engine.executor", "UniProcExecutor")
 register_executor("mp", "quire.core.engine.mp_executor", "MultiprocExecutor")
+register_executor("ray", "quire.core.engine.ray_executor", "RayExecutor")

@@ -26,15 +26,15 @@ def default_multiprocess() -> bool:
 
 def make_sync_client(config: EngineConfig, multiprocess: bool | None = None) -> EngineCoreClient:
     """The engine core in its own process (over ZMQ), or in this one with ``multiprocess=False``; with
-    ``data_parallel_size`` > 1, that many engine-core processes behind one client."""
+    ``data_parallel_size`` > 1 (or engine cores elsewhere), that many engine cores behind one client."""
     data_parallel_size = config.parallel.data_parallel_size
     if not (default_multiprocess() if multiprocess is None else multiprocess):
-        if data_parallel_size > 1:
-            raise ConfigError(f"data_parallel_size={data_parallel_size} runs each engine core in its own "
-                              "process; it cannot be combined with multiprocess=False "
-                              "(or QUIRE_MULTIPROCESS_ENGINE=0)")
+        if config.parallel.uses_engine_group:
+            raise ConfigError(f"data_parallel_size={data_parallel_size} (or engine cores on other machines or "
+                              "Ray) runs each engine core in its own process; it cannot be combined with "
+                              "multiprocess=False (or QUIRE_MULTIPROCESS_ENGINE=0)")
         return InprocClient(config)
-    if data_parallel_size > 1:
+    if config.parallel.uses_engine_group:
         from quire.core.engine.dp_client import DPSyncClient
 
         return DPSyncClient(config)

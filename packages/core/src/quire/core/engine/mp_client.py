@@ -59,32 +59,69 @@ def engine_environment() -> dict[str, str]:
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = ENGINE_SPIN_COUNT
     return env
+
+
 _POLL_MS = 100
 
 
-class _Resources:
-    """What must be released however the client goes away (explicit shutdown or garbage collection)."""
+# Engine cores on other machines: ZMQ heartbeats notice a peer that went silent (a machine lost) as a
+# disconnection, as a closed connection (a process killed) is noticed at once.
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
-    def __init__(self):
-        self.socket_dir = tempfile.mkdtemp(prefix="quire-engine-")
+
+def set_heartbeats(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+class _Resources:
+    """What must be released however the client goes away (explicit shutdown or garbage collection).
+
+    The sockets are IPC sockets in a private temporary folder, or TCP sockets on ``host`` (free ports) for
+    an engine core on another machine or in a Ray actor."""
+
+    def __init__(self, host: str | None = None):
+        self.socket_dir = tempfile.mkdtemp(prefix="quire-engine-") if host is None else None
         self.context = zmq.Context()
         self.input_socket = self.context.socket(zmq.PUSH)
         self.output_socket = self.context.socket(zmq.PULL)
         for socket in (self.input_socket, self.output_socket):
             socket.setsockopt(zmq.LINGER, 0)
-        self.input_address = f"ipc://{self.socket_dir}/input"
-        self.output_address = f"ipc://{self.socket_dir}/output"
-        self.input_socket.bind(self.input_address)
-        self.output_socket.bind(self.output_address)
-        self.process: subprocess.Popen | None = None
+            if host is not None:
+                set_heartbeats(socket)
+        if host is None:
+            self.input_address = f"ipc://{self.socket_dir}/input"
+            self.output_address = f"ipc://{self.socket_dir}/output"
+            self.input_socket.bind(self.input_address)
+            self.output_socket.bind(self.output_address)
+        else:
+            tcp_host = f"[{host}]" if ":" in host else host
+            self.input_address = f"tcp://{tcp_host}:{self.input_socket.bind_to_random_port(f'tcp://{tcp_host}')}"
+            self.output_address = f"tcp://{tcp_host}:{self.output_socket.bind_to_random_port(f'tcp://{tcp_host}')}"
+        self.process = None  # the engine core: a subprocess.Popen, or a handle with its methods (remote_engines)
         self.shutting_down = threading.Event()
         self.extra_sockets: list = []
 
-    def close(self) -> None:
-        self.shutting_down.set()
+    def stop_engine(self) -> None:
+        """Ask the engine core to stop: SIGTERM for a child process; for one elsewhere, which no signal
+        reaches, a SHUTDOWN message first."""
+        self.shutting_down.set()  # its exit is expected: not a death to report
         process = self.process
+        if process is None or process.poll() is not None:
+            return
+        if not isinstance(process, subprocess.Popen):
+            try:
+                self.input_socket.send_multipart([RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # nothing connected: the handle's terminate and kill do the rest
+        process.terminate()
+
+    def close(self) -> None:
+        process = self.process
+        self.stop_engine()
         if process is not None and process.poll() is None:
-            process.terminate()
             try:
                 process.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -93,29 +130,44 @@ class _Resources:
         for socket in [*self.extra_sockets, self.input_socket, self.output_socket]:
             socket.close(linger=0)
         self.context.term()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+class LocalEngineLauncher:
+    """Starts the engine core as a child process of this one, on IPC sockets (the default)."""
+
+    host: str | None = None
+
+    def launch(self, resources: _Resources, config: EngineConfig) -> subprocess.Popen:
+        # A fresh interpreter (not multiprocessing's spawn, which re-runs the caller's main script).
+        process = subprocess.Popen(
+            [sys.executable, "-m", "quire.core.engine.core_proc", resources.input_address,
+             resources.output_address, str(os.getpid()), resources.socket_dir],
+            stdin=subprocess.PIPE, env=engine_environment(),
+        )
+        process.stdin.write(msgspec.msgpack.encode(config))
+        process.stdin.close()
+        return process
 
 
 class MPClient(EngineCoreClient):
     """Starts the engine core process and owns the sockets to it."""
 
-    def __init__(self, config: EngineConfig, on_dead: Callable[[MPClient], None] | None = None):
+    def __init__(self, config: EngineConfig, on_dead: Callable[[MPClient], None] | None = None,
+                 launcher=None):
+        """``launcher`` starts the engine core (``LocalEngineLauncher`` by default; ``remote_engines`` has
+        the launchers of engine cores on other machines and in Ray actors)."""
+        launcher = LocalEngineLauncher() if launcher is None else launcher
         self._on_dead = on_dead
-        self._resources = resources = _Resources()
+        self._resources = resources = _Resources(launcher.host)
         self._finalizer = weakref.finalize(self, resources.close)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._call_ids = itertools.count(1)
         self.engine_dead = False
-        # A fresh interpreter (not multiprocessing's spawn, which re-runs the caller's main script).
-        resources.process = subprocess.Popen(
-            [sys.executable, "-m", "quire.core.engine.core_proc", resources.input_address,
-             resources.output_address, str(os.getpid()), resources.socket_dir],
-            stdin=subprocess.PIPE, env=engine_environment(),
-        )
-        resources.process.stdin.write(msgspec.msgpack.encode(config))
-        resources.process.stdin.close()
         try:
+            resources.process = launcher.launch(resources, config)
             ready = self._wait_for_ready()
         except BaseException:
             self.shutdown()
@@ -127,6 +179,7 @@ class MPClient(EngineCoreClient):
 
     @property
     def process(self) -> subprocess.Popen:
+        """The engine core's process (or, for one elsewhere, a handle with the same methods)."""
         return self._resources.process
 
     def _wait_for_ready(self) -> EngineReady:
@@ -140,8 +193,8 @@ class MPClient(EngineCoreClient):
                                       f"{message.message}")
                 return message
             if process.poll() is not None:
-                raise ConfigError(f"the engine core process exited during start-up "
-                                  f"(exit code {process.returncode}); see its log above")
+                raise ConfigError(f"the engine core {getattr(process, 'description', 'process')} exited during "
+                                  f"start-up (exit code {process.returncode}); see its log")
         raise ConfigError(f"the engine core did not start within {STARTUP_TIMEOUT_SECONDS:.0f} s "
                           "(QUIRE_ENGINE_STARTUP_TIMEOUT)")
 
@@ -149,7 +202,8 @@ class MPClient(EngineCoreClient):
         process = self._resources.process
         process.wait()
         if not self._resources.shutting_down.is_set():
-            logger.error("the engine core process died (exit code %s)", process.returncode)
+            logger.error("the engine core %s died (exit code %s)", getattr(process, "description", "process"),
+                         process.returncode)
             self._mark_dead()
 
     def _mark_dead(self) -> None:
@@ -165,8 +219,11 @@ class MPClient(EngineCoreClient):
             return
         self._resources.shutting_down.set()  # its exit is expected: not a death to report
         self._mark_dead()
-        if self.process.poll() is None:
-            self.process.terminate()
+        self._resources.stop_engine()
+
+    def stop_engine(self) -> None:
+        """Ask the engine core to stop without waiting for it (``shutdown`` still follows)."""
+        self._resources.stop_engine()
 
     def ensure_alive(self) -> None:
         if self.engine_dead:
@@ -204,11 +261,11 @@ class SyncMPClient(MPClient):
     """Blocking client for ``LLMEngine``: an output thread fills a queue that ``get_output`` reads."""
 
     def __init__(self, config: EngineConfig, outputs: queue.Queue | None = None,
-                 on_dead: Callable[[MPClient], None] | None = None):
+                 on_dead: Callable[[MPClient], None] | None = None, launcher=None):
         self._outputs: queue.Queue = queue.Queue() if outputs is None else outputs
         self._pending_calls: dict[int, Future] = {}
         self._send_lock = threading.Lock()
-        super().__init__(config, on_dead)
+        super().__init__(config, on_dead, launcher)
         threading.Thread(target=self._output_loop, name="engine-output-reader", daemon=True).start()
 
     def _output_loop(self) -> None:
@@ -271,13 +328,13 @@ class AsyncMPClient(MPClient, AsyncOnlyClient):
     """asyncio client for ``AsyncLLM``: a reader task fills an ``asyncio.Queue``."""
 
     def __init__(self, config: EngineConfig, outputs: asyncio.Queue | None = None,
-                 on_dead: Callable[[MPClient], None] | None = None):
+                 on_dead: Callable[[MPClient], None] | None = None, launcher=None):
         # NOTE: set before the base class starts the engine, whose start-up failure calls shutdown()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = outputs  # None: made when the reader starts
         self._reader: asyncio.Task | None = None
         self._pending_calls: dict[int, asyncio.Future] = {}
-        super().__init__(config, on_dead)
+        super().__init__(config, on_dead, launcher)
         resources = self._resources
         self._input = zmq.asyncio.Socket.shadow(resources.input_socket.underlying)
         self._output = zmq.asyncio.Socket.shadow(resources.output_socket.underlying)
