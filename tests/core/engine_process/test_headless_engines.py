@@ -68,6 +68,12 @@ def start_headless(checkpoint, port: int) -> subprocess.Popen:
          "--data-parallel-rpc-port", str(port)])
 
 
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def front_end(checkpoint, port: int) -> LLM:
     return LLM(checkpoint, dtype="float32", max_model_len=256, num_threads=1, data_parallel_size=2,
                data_parallel_size_local=1, data_parallel_address=FRONT_END_ADDRESS, data_parallel_rpc_port=port,
@@ -140,9 +146,7 @@ def test_headless_engine_in_another_namespace_serves_the_front_end(other_host, l
         # the front end's shutdown stops the engine cores it reached, and their launcher exits cleanly
         assert headless.wait(timeout=15) == 0
     finally:
-        if headless.poll() is None:
-            headless.kill()
-            headless.wait(timeout=10)
+        stop(headless)
 
 
 def test_killed_remote_engine_fails_the_front_end_promptly(other_host, llama_checkpoint, prompts):
@@ -165,9 +169,7 @@ def test_killed_remote_engine_fails_the_front_end_promptly(other_host, llama_che
         finally:
             llm.shutdown()
     finally:
-        if headless.poll() is None:
-            headless.kill()
-            headless.wait(timeout=10)
+        stop(headless)
 
 
 def test_registrar_refuses_a_rank_it_does_not_await():

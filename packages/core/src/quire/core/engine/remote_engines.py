@@ -120,15 +120,35 @@ class EngineRegistrar:
         self._context.term()
 
 
-class RemoteEngine:
+class _EngineHandle:
+    """What a ``subprocess.Popen``-like handle of an engine core elsewhere shares: its end, once known."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _end(self, returncode: int) -> None:
+        if self.returncode is None:
+            self.returncode = returncode
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.description, timeout)
+        return self.returncode
+
+
+class RemoteEngine(_EngineHandle):
     """A ``subprocess.Popen``-like handle of an engine core elsewhere, alive while its connection to the
     front end's output socket is: ``poll`` and ``wait`` report its end, ``terminate`` forgets it (closing
     the sockets, which the client does next, makes the engine core exit)."""
 
     def __init__(self, output_socket: zmq.Socket, description: str):
-        self.description = description
-        self.returncode: int | None = None
-        self._ended = threading.Event()
+        super().__init__(description)
         self._monitor = output_socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         threading.Thread(target=self._watch, name="remote-engine-watch", daemon=True).start()
 
@@ -144,19 +164,6 @@ class RemoteEngine:
             self._end(1)  # the client's context is closing
         finally:
             self._monitor.close(linger=0)
-
-    def _end(self, returncode: int) -> None:
-        if self.returncode is None:
-            self.returncode = returncode
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(self.description, timeout)
-        return self.returncode
 
     def terminate(self) -> None:
         pass  # the client sent SHUTDOWN; the engine core's disconnection ends the wait
@@ -216,15 +223,13 @@ class EngineCoreActor:
         return serve_engine_core(config, input_address, output_address)
 
 
-class RayEngine:
+class RayEngine(_EngineHandle):
     """A ``subprocess.Popen``-like handle of an engine core in a Ray actor: it ends when ``run`` returns or the
     actor dies."""
 
     def __init__(self, ray, actor, run, description: str):
-        self.description = description
-        self.returncode: int | None = None
+        super().__init__(description)
         self._ray, self._actor, self._run = ray, actor, run
-        self._ended = threading.Event()
         threading.Thread(target=self._watch, name="ray-engine-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -239,19 +244,6 @@ class RayEngine:
                 else:
                     self._ray.kill(self._actor, no_restart=True)  # its work is done: free its CPUs
                 self._end(code)
-
-    def _end(self, returncode: int) -> None:
-        if self.returncode is None:
-            self.returncode = returncode
-        self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(self.description, timeout)
-        return self.returncode
 
     def terminate(self) -> None:
         pass  # the client sent SHUTDOWN: ``run`` returns
