@@ -4,7 +4,9 @@ A group is an object handed to whatever needs it (the model's parallel layers, t
 nothing is registered in a module global, so one process may hold several groups (a test's engines) and a
 one-rank group makes every collective a no-op. Ranks meet through a ``TCPStore`` that rank 0 serves
 (``open_store``) and exchange tensors over gloo (CPU tensors), on 127.0.0.1 when every rank is on one machine
-and on each machine's own address otherwise (the Ray executor across nodes).
+and on each machine's own address otherwise (the Ray executor across nodes). Ranks of one machine exchange
+the tensors that fit its slots through shared memory instead (``shm``: microseconds where gloo's loopback
+takes a millisecond), gloo carrying the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import datetime
 
 import torch
 import torch.distributed as dist
+
+from quire.core.distributed import shm
 
 LOOPBACK = "127.0.0.1"
 # How long a rank waits for the others to start or to join a collective before it raises: a rank that
@@ -26,12 +30,13 @@ class TensorParallelGroup:
     ``TensorParallelGroup()`` is the one-rank group: ``all_reduce`` and ``all_gather`` return their input.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None):
+    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None, shared_memory=None):
         if world_size > 1 and process_group is None:
             raise ValueError("a group of several ranks needs a process group")
         self.rank = rank
         self.world_size = world_size
         self.process_group = process_group
+        self.shared_memory = shared_memory  # a SharedMemoryCollectives when every rank is on this machine
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world_size: int, host: str = LOOPBACK,
@@ -41,11 +46,17 @@ class TensorParallelGroup:
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
-        return cls(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, options))
+        process_group = dist.ProcessGroupGloo(store, rank, world_size, options)
+        shared_memory = None
+        if host == LOOPBACK and shm.available():
+            shared_memory = shm.SharedMemoryCollectives(store, rank, world_size, timeout.total_seconds())
+        return cls(rank, world_size, process_group, shared_memory)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         if self.world_size > 1:
+            if self.shared_memory is not None and self.shared_memory.fits(tensor) and tensor.is_contiguous():
+                return self.shared_memory.all_reduce(tensor)
             self.process_group.allreduce([tensor]).wait()
         return tensor
 
@@ -54,6 +65,8 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return tensor
         tensor = tensor.contiguous()
+        if self.shared_memory is not None and self.shared_memory.fits(tensor):
+            return self.shared_memory.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.process_group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
