@@ -271,6 +271,61 @@ class SchedulerConfig:
     max_queue_time: float | None = None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's ``speculative_config`` shape: ``method`` "ngram" (prompt lookup: the
+    tokens that followed the latest earlier occurrence of the sequence's last ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens) or "draft_model" (a smaller model of the same tokenizer at ``model``)
+    proposes ``num_speculative_tokens`` tokens per step, which the target model verifies in one step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """From ``--speculative-config``'s JSON text or ``LLM(speculative_config=...)``'s dict; ConfigError
+        naming the field that is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        fields = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: "
+                              f"{', '.join(sorted(fields))})")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            number = value.get(name, 1)
+            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+                raise ConfigError(f"speculative_config.{name} must be a whole number >= 1, got {number!r}")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config.num_speculative_tokens is required")
+        config = cls(**value)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ConfigError(f"speculative_config.prompt_lookup_min ({config.prompt_lookup_min}) must not exceed "
+                              f"prompt_lookup_max ({config.prompt_lookup_max})")
+        if method == "draft_model":
+            if not config.model:
+                raise ConfigError("speculative_config.model (the draft model's folder) is required for "
+                                  "method draft_model")
+        elif config.model is not None:
+            raise ConfigError("speculative_config.model is only for method draft_model")
+        return config
+
+
 @dataclasses.dataclass(frozen=True)
 class MultiModalConfig:
     """Image inputs, as the front end checks and loads them (the engine core never reads this).
