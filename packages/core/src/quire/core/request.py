@@ -81,6 +81,8 @@ class Request:
         # A StructuredOutputRequest (quire.core.structured_outputs.manager) when the output is constrained.
         self.structured_output = None
         self.error_message: str | None = None  # why a FINISHED_ERROR request failed
+        # Speculative decoding: tokens proposed to follow ``all_token_ids``, verified in the next step.
+        self.spec_token_ids: list[int] = []
 
     def record_event(self, event_type: EventType) -> None:
         self.events.append(EngineCoreEvent(event_type, time.monotonic()))

@@ -62,11 +62,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
+        # NOTE: slots past the known tokens (speculative proposals) are held but never hashed: only blocks
+        # of known tokens enter the prefix cache
+        num_known = min(num_tokens, request.num_tokens)
         if not computed_blocks and num_tokens <= len(blocks) * self.block_size:
             # the common decode step: the last block still has room
-            if self.enable_caching and num_tokens // self.block_size > self._num_hashed_blocks.get(
+            if self.enable_caching and num_known // self.block_size > self._num_hashed_blocks.get(
                     request.request_id, 0):
-                self._cache_full_blocks(request, blocks, num_tokens)
+                self._cache_full_blocks(request, blocks, num_known)
             return []
         num_needed = -(-num_tokens // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
@@ -81,7 +84,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_tokens)
+            self._cache_full_blocks(request, blocks, num_known)
         return [block.block_id for block in new_blocks]
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # in this step, and the identifiers of encoder outputs the runner may drop (before encoding).
     scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     freed_encoder_identifiers: list[str] = dataclasses.field(default_factory=list)
+    # Speculative decoding: the proposed tokens each request verifies in this step (after its last known
+    # token; they are counted in its ``num_scheduled_tokens``).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

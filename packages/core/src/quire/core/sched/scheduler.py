@@ -136,13 +136,15 @@ class Scheduler:
         for request_id, num_tokens in step.num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
+            request.spec_token_ids = []  # consumed: the next proposal follows this step's outcome
             for feature in request.mm_features:  # computed into the KV cache: the output may go
                 if feature.offset + feature.length <= request.num_computed_tokens:
                     self.encoder_cache.release(request, feature.identifier)
         self._last_num_scheduled_tokens = step.total
         return SchedulerOutput(step.new, list(step.cached.values()), step.num_scheduled,
                                self.take_removed_request_ids(), scheduled_encoder_inputs=step.encoder_inputs,
-                               freed_encoder_identifiers=self.encoder_cache.take_freed())
+                               freed_encoder_identifiers=self.encoder_cache.take_freed(),
+                               scheduled_spec_decode_tokens=step.spec_tokens)
 
     def take_removed_request_ids(self) -> set[str]:
         """Ids finished or preempted since the last call, which the model runner must drop."""
@@ -164,7 +166,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new_tokens = self._num_new_tokens(request, step.budget)
+            num_new_tokens = self._num_new_tokens(request, step.budget, num_spec=self._num_spec_tokens(request))
+            num_without_spec = min(num_new_tokens, request.num_tokens - request.num_computed_tokens)
             encoder_plan = None
             if request.mm_features and num_new_tokens > 0:
                 num_new_tokens, encoder_plan = self._plan_encoder_inputs(
@@ -173,6 +176,9 @@ class Scheduler:
                 index += 1
                 continue
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                if num_new_tokens > num_without_spec:
+                    num_new_tokens = num_without_spec  # a proposal never costs another request its blocks
+                    continue
                 victim = self.waiting.select_victim(self.running)
                 if self.running.index(victim) < index:
                     index -= 1
@@ -186,6 +192,9 @@ class Scheduler:
             step.cached[request.request_id] = CachedRequestData(
                 request.request_id, block_ids, request.num_computed_tokens)
             step.add(request.request_id, num_new_tokens)
+            num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_spec > 0:
+                step.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             index += 1
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
@@ -227,8 +236,20 @@ class Scheduler:
             ))
             step.add(request.request_id, num_new_tokens)
 
-    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+    def _num_spec_tokens(self, request: Request) -> int:
+        """How many of the request's proposed tokens it may verify in this step: none before its prompt is
+        computed, and none that its ``max_tokens`` or the model's length leaves no room for (the step
+        also samples one token past the accepted ones)."""
+        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        room = self.max_model_len - request.num_tokens
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens)
+        room -= 1
+        return max(0, min(len(request.spec_token_ids), room))
+
+    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0, num_spec: int = 0) -> int:
+        num_new_tokens = min(request.num_tokens + num_spec - request.num_computed_tokens - num_cached, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold and self.num_unfinished_requests > 1:
             num_new_tokens = min(num_new_tokens, threshold)
@@ -282,6 +303,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            spec_tokens = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if spec_tokens:
+                # the KV of the rejected proposals is not the request's: recompute from the last accepted one
+                request.num_computed_tokens -= len(spec_tokens) + 1 - len(token_ids)
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -333,6 +358,7 @@ class Scheduler:
             self.encoder_cache.forget(request.mm_features[index].identifier)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED)
         self.num_preemptions += 1
@@ -373,6 +399,7 @@ class _StepPlan:
         self.preempted = False
         self.encoder_budget = budget  # placeholder tokens the encoder may process in this step
         self.encoder_inputs: dict[str, list[int]] = {}
+        self.spec_tokens: dict[str, list[int]] = {}
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled[request_id] = num_tokens
@@ -385,6 +412,7 @@ class _StepPlan:
         self.preempted = True
         num_tokens = self.num_scheduled.pop(request_id, 0)
         self.cached.pop(request_id, None)
+        self.spec_tokens.pop(request_id, None)
         self.budget += num_tokens
         self.total -= num_tokens
         return self.encoder_inputs.pop(request_id, [])
