@@ -30,7 +30,9 @@ def other_value(field):
     """A valid value that differs from the default, to see the option arrive."""
     samples = {"dtype": "bfloat16", "scheduling_policy": "priority", "attention_backend": "triton", "device": "cpu",
                "model": "/models/x", "tokenizer": "/tokenizers/x", "gpu_memory_utilization": 0.5,
-               "limit_mm_per_prompt": {"image": 7}, "allowed_media_domains": ["images.example", "cdn.example"]}
+               "limit_mm_per_prompt": {"image": 7}, "allowed_media_domains": ["images.example", "cdn.example"],
+               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+               "data_parallel_address": "10.0.0.7"}
     if field.name in samples:
         return samples[field.name]
     if field.metadata["choices"]:

@@ -414,6 +414,7 @@ class EngineConfig:
     # Image inputs (vision-language models): limits and where images may come from; front end only.
     multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """This config as engine ``rank`` of its data-parallel group receives it."""

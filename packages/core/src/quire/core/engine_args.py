@@ -22,6 +22,7 @@ from quire.core.config import (
     MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
@@ -98,6 +99,19 @@ def available_cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def _parse_json_object(text: str | dict) -> dict:
+    """Command-line JSON text (or an already parsed object) as a dict; checked by the option's own parser."""
+    if isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value
 
 
 def parse_name_list(text: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -187,6 +201,10 @@ class EngineArgs:
     reasoning_parser: str | None = option(
         None, "Splits a reasoning model's thinking (<think>...</think>) from its answer into reasoning and "
               "content; constraints start after the thinking.", choices=tuple(REASONING_PARSERS.names()))
+    speculative_config: dict[str, Any] | None = option(
+        None, "Speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup: proposals copied from the "
+              "request's own tokens, verified by the model in one step).", parse=_parse_json_object, metavar="JSON")
     limit_mm_per_prompt: dict[str, int] | None = option(
         None, "Most images (or other items) in one prompt, as JSON: '{\"image\": 2}' (default: 999 images).",
         parse=parse_modality_limits, metavar="JSON")
@@ -270,6 +288,7 @@ class EngineArgs:
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
+            speculative=self._speculative_config(),
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
                                     data_parallel_rank=self.data_parallel_start_rank,
                                     tensor_parallel_size=self.tensor_parallel_size,
@@ -309,6 +328,17 @@ class EngineArgs:
             raise ConfigError(f"tensor_parallel_size {size} must divide the attention heads "
                               f"({model.num_attention_heads}) and intermediate size ({model.intermediate_size}), "
                               f"and divide or be a multiple of the KV heads ({kv_heads})")
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.parse(self.speculative_config)
+        if config.method != "ngram":
+            raise ConfigError(f"speculative_config.method {config.method!r}: only ngram runs for now (a draft "
+                              "model is planned)")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("speculative_config runs with tensor_parallel_size 1 for now")
+        return config
 
     def _multimodal_config(self) -> MultiModalConfig:
         local_path = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from quire.core.config import EngineConfig
 from quire.core.engine.executor import default_executor_backend, get_executor_class
 from quire.core.engine.faults import Faults
@@ -48,6 +50,13 @@ class EngineCore:
             config.tokenizer, config.model.vocab_size, config.scheduler.max_num_seqs)
         if self.faults.enabled:
             logger.warning("test fault injection is enabled: %s", self.faults)
+        self.proposer = None
+        speculative = config.speculative
+        if speculative is not None:
+            from quire.core.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max)
         self.num_steps = 0
         self.timings = StepTimings()
         logger.info("engine ready: %s, %d KV blocks of %d tokens", config.model.architecture,
@@ -151,10 +160,19 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output, timings)
         self.faults.rewrite_samples(runner_output.sampled_token_ids, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.proposer is not None:
+            self._propose()
         self._release_if_idle()
         timings.mark("update")
         timings.num_steps += 1
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _propose(self) -> None:
+        """Proposed tokens for the next step of every running request that may speculate (its last token
+        computed, its sampling plain enough for the rejection sampler)."""
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1 and can_speculate(request):
+                request.spec_token_ids = self.proposer.propose(np.asarray(request.all_token_ids)).tolist()
 
     def _fill_grammar_bitmask(self, scheduler_output) -> None:
         """The token bitmask of the constrained requests that sample in this step."""
@@ -178,3 +196,13 @@ class EngineCore:
         """Release the executor's runners and workers; the engine core is not used after this."""
         self.structured_outputs.shutdown()
         self.executor.shutdown()
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether the rejection sampler can verify proposals for ``request``: it applies temperature, top-k,
+    top-p and min-p only, so requests with logprobs, penalties, logit bias, allowed or banned tokens, a
+    pending ``min_tokens`` or a structured-output grammar decode one token per step."""
+    params = request.sampling_params
+    return (params.logprobs is None and not params.has_penalties and params.logit_bias is None
+            and params.allowed_token_ids is None and not request.bad_words_token_ids
+            and request.num_output_tokens >= params.min_tokens and request.structured_output is None)

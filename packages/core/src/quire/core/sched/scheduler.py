@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self._removed_request_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_decode_counts = SpecDecodeCounts()
         self._last_num_scheduled_tokens = 0
         self._early_outputs: list[EngineCoreOutput] = []  # requests finished before any step ran them
 
@@ -307,6 +308,7 @@ class Scheduler:
             if spec_tokens:
                 # the KV of the rejected proposals is not the request's: recompute from the last accepted one
                 request.num_computed_tokens -= len(spec_tokens) + 1 - len(token_ids)
+                self.spec_decode_counts.record(len(spec_tokens), len(token_ids) - 1)
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -385,6 +387,27 @@ def _advance_grammar(request: Request, token_id: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     return False
+
+
+class SpecDecodeCounts:
+    """Speculative decoding so far: verification steps (drafts), proposed and accepted tokens, and how often
+    the token at each proposal position was accepted."""
+
+    def __init__(self):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        missing = num_draft_tokens - len(self.num_accepted_tokens_per_pos)
+        if missing > 0:
+            self.num_accepted_tokens_per_pos.extend([0] * missing)
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
 
 
 class _StepPlan:

@@ -24,6 +24,7 @@ from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.logits_processors import GRAMMAR_BITMASK
 from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
+from quire.core.worker.rejection_sampler import RejectionSampler
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 
@@ -51,7 +52,8 @@ class StepInputs:
     rows: np.ndarray  # persistent-batch rows scheduled in this step, in token order
     query_start_loc: np.ndarray
     sampling_rows: np.ndarray  # rows that sample, in logits order
-    logits_indices: torch.Tensor  # flat token index of each sampling row's last token
+    logits_indices: torch.Tensor  # flat token index of each sampling row's last token (and its proposals')
+    num_spec: np.ndarray | None = None  # speculative decoding: proposed tokens of each sampling row
 
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class ModelRunner:
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, model_config.max_model_len,
                                       max_blocks_per_req)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         self.encoder_outputs = EncoderOutputs(self.model, self.device) if model_config.is_multimodal else None
@@ -131,7 +134,8 @@ class ModelRunner:
         self._update_batch(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
-        inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
         embeds = self._input_embeds(inputs) if self.encoder_outputs is not None else None
         timings.mark("prepare_inputs")
         hidden = self._forward(inputs, embeds)
@@ -140,8 +144,10 @@ class ModelRunner:
         if len(inputs.sampling_rows):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         timings.mark("forward")
-        if logits is not None:
-            self._sample(inputs, logits, output, scheduler_output.grammar_bitmask)
+        if logits is not None and spec_tokens:
+            self._sample_speculative(inputs, logits, output, spec_tokens, scheduler_output.grammar_bitmask)
+        elif logits is not None:
+            self._sample(inputs.sampling_rows, logits, output, scheduler_output.grammar_bitmask)
         timings.mark("sampling")
         return output
 
@@ -166,13 +172,14 @@ class ModelRunner:
             return self.cuda_graphs.run(inputs.input_ids, positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput,
+    def _sample(self, rows: np.ndarray, logits: torch.Tensor, output: ModelRunnerOutput,
                 grammar_bitmask: tuple[list[str], np.ndarray] | None = None) -> None:
+        """One token for each of ``rows`` (persistent-batch rows, in ``logits`` order)."""
         batch = self.input_batch
-        metadata = build_sampling_metadata(batch, inputs.sampling_rows, logits.shape[-1])
+        metadata = build_sampling_metadata(batch, rows, logits.shape[-1])
         if grammar_bitmask is not None:
             request_ids, bitmask = grammar_bitmask
-            logits_row = {batch.req_ids[row]: i for i, row in enumerate(inputs.sampling_rows.tolist())}
+            logits_row = {batch.req_ids[row]: i for i, row in enumerate(rows.tolist())}
             metadata.processor_inputs[GRAMMAR_BITMASK] = (
                 torch.tensor([logits_row[request_id] for request_id in request_ids], dtype=torch.int64),
                 torch.from_numpy(bitmask))
@@ -180,12 +187,44 @@ class ModelRunner:
             logits = logits.float().cpu()  # NOTE: the sampler's generators and tables live on the CPU
         sampled = self.sampler(logits, metadata)
         tokens = sampled.token_ids.cpu().numpy()
-        batch.append_tokens(inputs.sampling_rows, tokens)
-        for i, (row, token) in enumerate(zip(inputs.sampling_rows.tolist(), tokens.tolist())):
+        batch.append_tokens(rows, tokens)
+        for i, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
             request_id = batch.req_ids[row]
             output.sampled_token_ids[request_id] = [token]
             if i in sampled.logprobs:
                 output.logprobs[request_id] = sampled.logprobs[i]
+
+    def _sample_speculative(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput,
+                            spec_tokens: dict[str, list[int]],
+                            grammar_bitmask: tuple[list[str], np.ndarray] | None = None) -> None:
+        """A step that verifies proposals: rows without any sample one token as usual; the others keep the
+        proposals the rejection sampler accepts, plus one token of the target model's."""
+        batch = self.input_batch
+        rows, num_spec = inputs.sampling_rows, inputs.num_spec
+        first_logits = np.zeros(len(rows), dtype=np.int64)
+        np.cumsum(num_spec[:-1] + 1, out=first_logits[1:])
+        plain = num_spec == 0
+        if plain.any():
+            self._sample(rows[plain], logits[torch.from_numpy(first_logits[plain])], output, grammar_bitmask)
+        speculating = ~plain
+        spec_rows = rows[speculating]
+        counts = num_spec[speculating]
+        spec_logits = logits[torch.from_numpy(np.repeat(first_logits[speculating], counts + 1)
+                                              + _ranges(counts + 1))]
+        draft = torch.tensor([token for row in spec_rows.tolist() for token in spec_tokens[batch.req_ids[row]]],
+                             dtype=torch.int64)
+        metadata = build_sampling_metadata(batch, spec_rows, logits.shape[-1])
+        num_outputs = batch.num_tokens[spec_rows] - batch.num_prompt_tokens[spec_rows]
+        seeds = {i: (batch.seeds[row], int(num_outputs[i])) for i, row in enumerate(spec_rows.tolist())
+                 if batch.seeds[row] is not None}
+        result = self.rejection_sampler(spec_logits.float().cpu(), draft, counts.tolist(), metadata, seeds=seeds)
+        tokens, num_accepted = result.token_ids.numpy(), result.num_accepted.tolist()
+        for i, row in enumerate(spec_rows.tolist()):
+            kept = tokens[i, :num_accepted[i] + 1]
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start:start + len(kept)] = kept
+            batch.num_tokens[row] += len(kept)
+            output.sampled_token_ids[batch.req_ids[row]] = kept.tolist()
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
         """Logprobs of the prompt tokens that this step's chunks predict (for requests that asked)."""
@@ -232,8 +271,12 @@ class ModelRunner:
             row = batch.index[data.request_id]
             batch.append_blocks(row, data.new_block_ids)
             batch.num_computed_tokens[row] = data.num_computed_tokens
+        for request_id, proposal in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = batch.index[request_id]  # the proposals follow the known tokens, which they do not extend
+            batch.token_ids[row, batch.num_tokens[row]:batch.num_tokens[row] + len(proposal)] = proposal
 
-    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int],
+                        spec_tokens: dict[str, list[int]] | None = None) -> StepInputs:
         batch = self.input_batch
         rows = np.array(sorted(batch.index[r] for r in num_scheduled_tokens), dtype=np.int64)
         counts = np.array([num_scheduled_tokens[batch.req_ids[r]] for r in rows], dtype=np.int64)
@@ -249,7 +292,13 @@ class ModelRunner:
                         * self.block_size + positions % self.block_size)
         seq_lens = computed + counts
         max_blocks = int(-(-seq_lens.max() // self.block_size))
-        samples = seq_lens == batch.num_tokens[rows]
+        num_spec = np.array([len(spec_tokens.get(batch.req_ids[row], ())) for row in rows.tolist()],
+                            dtype=np.int64) if spec_tokens else np.zeros(len(rows), dtype=np.int64)
+        samples = seq_lens == batch.num_tokens[rows] + num_spec
+        # each sampling row's logits: its last token's, after those of the known token and proposals before it
+        sampling_spec = num_spec[samples]
+        logits_indices = (np.repeat(query_start_loc[1:][samples] - 1 - sampling_spec, sampling_spec + 1)
+                          + _ranges(sampling_spec + 1))
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             block_tables=torch.from_numpy(batch.block_table[rows, :max_blocks].astype(np.int64)),
@@ -270,5 +319,12 @@ class ModelRunner:
             rows=rows,
             query_start_loc=query_start_loc,
             sampling_rows=rows[samples],
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(self.device, non_blocking=True),
+            logits_indices=torch.from_numpy(logits_indices).to(self.device, non_blocking=True),
+            num_spec=sampling_spec,
         )
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``0 … n-1`` for each ``n`` of ``lengths``, concatenated."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - starts
