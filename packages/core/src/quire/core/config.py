@@ -274,6 +274,18 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+def parse_json_object(value: str | dict) -> dict:
+    """JSON text (or an already parsed object) as a dict; ValueError saying what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's ``speculative_config`` shape: ``method`` "ngram" (prompt lookup: the
@@ -291,13 +303,10 @@ class SpeculativeConfig:
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
         """From ``--speculative-config``'s JSON text or ``LLM(speculative_config=...)``'s dict; ConfigError
         naming the field that is wrong."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        try:
+            value = parse_json_object(value)
+        except ValueError as error:
+            raise ConfigError(f"speculative_config: {error}") from None
         fields = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(value) - fields)
         if unknown:

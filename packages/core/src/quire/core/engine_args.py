@@ -23,6 +23,7 @@ from quire.core.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_json_object,
 )
 from quire.core.demo import builtin_model, default_model
 from quire.core.errors import ConfigError
@@ -99,19 +100,6 @@ def available_cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def _parse_json_object(text: str | dict) -> dict:
-    """Command-line JSON text (or an already parsed object) as a dict; checked by the option's own parser."""
-    if isinstance(text, dict):
-        return text
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"not a JSON object: {text!r}")
-    return value
 
 
 def parse_name_list(text: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -204,7 +192,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = option(
         None, "Speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup: proposals copied from the "
-              "request's own tokens, verified by the model in one step).", parse=_parse_json_object, metavar="JSON")
+              "request's own tokens, verified by the model in one step).", parse=parse_json_object, metavar="JSON")
     limit_mm_per_prompt: dict[str, int] | None = option(
         None, "Most images (or other items) in one prompt, as JSON: '{\"image\": 2}' (default: 999 images).",
         parse=parse_modality_limits, metavar="JSON")
