@@ -94,14 +94,18 @@ def test_every_utility_method_has_a_combine_rule():
 
 def test_the_group_scheduler_stats_sum_each_engine_latest_snapshot():
     first = SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.5, num_preemptions=3,
-                           prefix_cache_hits=10, structured_output_compile_seconds=[0.2])
-    second = SchedulerStats(num_running_reqs=1, kv_cache_usage=1.0, prefix_cache_hits=5)
+                           prefix_cache_hits=10, structured_output_compile_seconds=[0.2],
+                           spec_decode_num_accepted_tokens=5, spec_decode_num_accepted_tokens_per_pos=[3, 2])
+    second = SchedulerStats(num_running_reqs=1, kv_cache_usage=1.0, prefix_cache_hits=5,
+                            spec_decode_num_accepted_tokens=6, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1])
     assert combine_scheduler_stats([first, None], first, [10, 10]) == first
     combined = combine_scheduler_stats([first, second], second, [10, 30])
     assert (combined.num_running_reqs, combined.num_waiting_reqs) == (3, 1)
     assert (combined.num_preemptions, combined.prefix_cache_hits) == (3, 15)
     assert combined.kv_cache_usage == pytest.approx(35 / 40)
     assert combined.structured_output_compile_seconds == []  # only the incoming snapshot's own
+    assert combined.spec_decode_num_accepted_tokens == 11
+    assert combined.spec_decode_num_accepted_tokens_per_pos == [6, 4, 1]  # added position by position
 
 
 def test_the_balancer_and_the_combine_rules_import_no_torch():

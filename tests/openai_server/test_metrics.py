@@ -76,6 +76,26 @@ def test_each_engine_has_its_own_series():
     assert not any(name == "quire:request_success_total" and ("engine", "0") in labels for name, labels in values)
 
 
+def test_speculative_decoding_counters_follow_the_engine_totals():
+    """Each snapshot carries the engine's cumulative speculative-decoding counts; the counters add what is new,
+    per position too, and the per-position counts sum to the accepted total."""
+    metrics = ServerMetrics("quire-demo")
+    metrics.record(SchedulerStats(spec_decode_num_drafts=2, spec_decode_num_draft_tokens=8,
+                                  spec_decode_num_accepted_tokens=5,
+                                  spec_decode_num_accepted_tokens_per_pos=[2, 2, 1]), [], engine_index=0)
+    metrics.record(SchedulerStats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12,
+                                  spec_decode_num_accepted_tokens=9,
+                                  spec_decode_num_accepted_tokens_per_pos=[3, 3, 2, 1]), [], engine_index=0)
+    values = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+              for family in text_string_to_metric_families(metrics.render().decode()) for sample in family.samples}
+    assert value(values, "quire:spec_decode_num_drafts_total", engine="0") == 3
+    assert value(values, "quire:spec_decode_num_draft_tokens_total", engine="0") == 12
+    assert value(values, "quire:spec_decode_num_accepted_tokens_total", engine="0") == 9
+    per_pos = [value(values, "quire:spec_decode_num_accepted_tokens_per_pos_total", engine="0", position=str(p))
+               for p in range(4)]
+    assert per_pos == [3, 3, 2, 1] and sum(per_pos) == 9
+
+
 def test_batch_histogram_exposes_what_a_histogram_would():
     """Inter-token latencies are recorded a request at a time; the exposition must be a Histogram's
     (bounds inclusive, values past the last bound in +Inf), creation time aside."""

@@ -176,6 +176,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     structured_output_compile_seconds: list[float] = []
     mm_cache_queries: int = 0  # multimodal items whose encoder output was needed
     mm_cache_hits: int = 0  # items whose encoder output was already in the encoder cache
+    # Speculative decoding: verification steps, proposed and accepted tokens, accepted tokens per position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

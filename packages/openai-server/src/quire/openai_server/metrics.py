@@ -59,6 +59,12 @@ class ServerMetrics:
                                             labels, registry=registry),
             "prefix_cache_hits": Counter("quire:prefix_cache_hits", "Tokens found in the prefix cache.", labels,
                                          registry=registry),
+            "spec_decode_num_drafts": Counter("quire:spec_decode_num_drafts", "Speculative verification steps "
+                                              "(one per request with proposals).", labels, registry=registry),
+            "spec_decode_num_draft_tokens": Counter("quire:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                                                    labels, registry=registry),
+            "spec_decode_num_accepted_tokens": Counter("quire:spec_decode_num_accepted_tokens",
+                                                       "Proposed tokens accepted.", labels, registry=registry),
             "ttft": histogram("quire:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
             "itl": BatchHistogram("quire:inter_token_latency_seconds", "Time between consecutive tokens.",
                                   ITL_BUCKETS, labels),
@@ -79,6 +85,9 @@ class ServerMetrics:
         self.structured = Counter("quire:structured_output_requests", "Finished requests with a "
                                   "structured-output constraint, by grammar backend.", [*labels, "backend"],
                                   registry=registry)
+        self.accepted_per_pos = Counter("quire:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                                        "accepted, by their position in the proposal (0: the first).",
+                                        [*labels, "position"], registry=registry)
         self._engines: dict[int, EngineSeries] = {}
         self.engine(0)  # one engine's series exist (at zero) before its first step
 
@@ -108,7 +117,11 @@ class EngineSeries:
         for key, family in metrics.families.items():
             setattr(self, key, family.labels(*self.labels))
         self.success, self.structured = metrics.success, metrics.structured
-        self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                               "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                               "spec_decode_num_accepted_tokens": 0}
+        self._accepted_per_pos_totals: list[int] = []
+        self._accepted_per_pos_family = metrics.accepted_per_pos
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running_reqs)
@@ -119,6 +132,13 @@ class EngineSeries:
             if new_total > total:
                 getattr(self, name).inc(new_total - total)
                 self._engine_totals[name] = new_total
+        for position, total in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            if position == len(self._accepted_per_pos_totals):
+                self._accepted_per_pos_totals.append(0)
+            if total > self._accepted_per_pos_totals[position]:
+                self._accepted_per_pos_family.labels(*self.labels, str(position)).inc(
+                    total - self._accepted_per_pos_totals[position])
+                self._accepted_per_pos_totals[position] = total
         for seconds in stats.structured_output_compile_seconds:
             self.compile_seconds.observe(seconds)
 

@@ -11,6 +11,7 @@ engine's own answer under ``engines``, in rank order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ def sum_reports(reports: list[dict[str, Any]], num_blocks: list[int]) -> dict[st
         if key == "kv_cache_usage":
             total_blocks = sum(num_blocks)
             combined[key] = sum(u * n for u, n in zip(values, num_blocks)) / total_blocks if total_blocks else 0.0
+        elif key.endswith("_per_pos"):  # counts by position: added position by position
+            combined[key] = [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
         elif isinstance(first, list):
             combined[key] = [item for value in values for item in value]
         elif isinstance(first, bool) or not isinstance(first, (int, float)):

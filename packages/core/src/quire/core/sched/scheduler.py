@@ -347,6 +347,10 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             mm_cache_queries=self.encoder_cache.num_queries,
             mm_cache_hits=self.encoder_cache.num_hits,
+            spec_decode_num_drafts=self.spec_decode_counts.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_counts.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_counts.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_counts.num_accepted_tokens_per_pos),
         )
 
     # -- helpers -----------------------------------------------------------------------------
