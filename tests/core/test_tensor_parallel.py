@@ -20,6 +20,7 @@ from quire.core.models.parallel_layers import SHARD_DIM
 from quire.core.worker.model_runner import ModelRunner
 from quire.offline import LLM, SamplingParams
 from tests.conftest import checkpoint_specs
+from tests.gguf.greedy import transformers_greedy
 
 NUM_PROMPTS = 20
 NUM_NEW_TOKENS = 8
@@ -67,16 +68,9 @@ def prompts(corpus_token_ids):
 
 def hf_greedy(path, prompts):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    results = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        top2 = torch.stack(out.scores)[:, 0].float().log_softmax(-1).topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > FLOAT32_MIN_MARGIN, "checkpoint not peaked enough"
-        results.append(out.sequences[0, len(prompt):].tolist())
-    return results
+    results = transformers_greedy(path, prompts, model=model, num_tokens=NUM_NEW_TOKENS)
+    assert min(min(margins) for _, margins in results) > FLOAT32_MIN_MARGIN, "checkpoint not peaked enough"
+    return [ids for ids, _ in results]
 
 
 def run(path, prompts, tensor_parallel_size, **options):

@@ -167,7 +167,8 @@ class EngineArgs:
     data_parallel_start_rank: int = option(0, "The first data-parallel rank this machine runs (headless "
                                               "launchers).")
     data_parallel_address: str = option("127.0.0.1", "The front end's address that engine cores on other "
-                                                     "machines (headless or Ray) connect to.")
+                                                     "machines (headless launchers) connect to; Ray engine cores use "
+                                                     "the front end's Ray node address.")
     data_parallel_rpc_port: int = option(29550, "The front end's TCP port where remote engine cores register.")
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N.")
     gpu_memory_utilization: float = option(_CACHE.gpu_memory_utilization, "Share of the GPU's memory for "

@@ -197,14 +197,13 @@ class RayEngineLauncher:
 
         self.ray = ensure_ray_initialized()
         self.host = self.ray.util.get_node_ip_address()
+        self.actor_class = self.ray.remote(max_restarts=0)(EngineCoreActor)
 
     def launch(self, resources, config: EngineConfig) -> RayEngine:
         from quire.core.engine.mp_client import engine_environment
 
-        num_cpus = config.num_threads or 1
-        actor_class = self.ray.remote(num_cpus=num_cpus, max_restarts=0)(EngineCoreActor)
-        actor = actor_class.options(
-            name=None, scheduling_strategy="SPREAD",
+        actor = self.actor_class.options(
+            num_cpus=config.num_threads or 1, scheduling_strategy="SPREAD",
             runtime_env={"env_vars": {key: value for key, value in engine_environment().items()
                                       if key.startswith(("GOMP_", "OMP_", "QUIRE_"))}},
         ).remote()
