@@ -8,6 +8,7 @@ from quire.core.worker import rejection_sampler
 from quire.core.worker.rejection_sampler import RejectionSampler
 from quire.core.worker.sampler import Sampler, SamplingMetadata
 from quire.core.worker.sampling_metadata import step_seed
+from tests.stats import chi_square_p_value
 
 TARGET_PROBS = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
 DRAFT_PROBS = torch.tensor([0.02, 0.05, 0.08, 0.10, 0.10, 0.15, 0.20, 0.30])
@@ -32,17 +33,6 @@ def greedy_logits(argmaxes, vocab_size=6):
 def rows(output):
     """Each row's output tokens, padding dropped."""
     return [[t for t in row if t >= 0] for row in output.token_ids.tolist()]
-
-
-def chi_square_p_value(counts_a, counts_b):
-    """Homogeneity test of two samples' token counts; the p-value is chi-square's survival function,
-    ``Q(df / 2, statistic / 2)`` (regularised upper incomplete gamma), as scipy is not a dependency."""
-    table = torch.stack([counts_a, counts_b]).double()
-    table = table[:, table.sum(0) > 0]
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    statistic = ((table - expected) ** 2 / expected).sum()
-    degrees_of_freedom = table.shape[1] - 1
-    return torch.special.gammaincc(torch.tensor(degrees_of_freedom / 2, dtype=torch.float64), statistic / 2).item()
 
 
 def test_chi_square_p_value_matches_the_table():

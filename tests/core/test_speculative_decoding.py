@@ -1,7 +1,7 @@
-"""Speculative decoding with n-gram proposals, end to end: greedy ids equal those without speculation on 20
-prompts of the tiny checkpoints in float32 (margin rule: equal up to a step whose reference margin is a
-near-tie, 90% of the steps compared), one at a time and batched; proposals are accepted on
-repetitive prompts and the counts add up; seeded random sampling stays reproducible."""
+"""Speculative decoding with n-gram proposals and with a draft model, end to end: greedy ids equal those
+without speculation on 20 prompts of the tiny checkpoints in float32 (margin rule: equal up to a step whose
+reference margin is a near-tie, 90% of the steps compared), one at a time and batched; proposals are
+accepted and the counts add up; seeded random sampling stays reproducible."""
 
 import pytest
 
@@ -11,7 +11,9 @@ from tests.gguf.greedy import assert_greedy_agrees
 
 NUM_PROMPTS = 20
 NUM_NEW_TOKENS = 24
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+# disable_by_batch_size None: the batch of 20 speculates too
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+         "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +26,18 @@ def prompts(corpus_token_ids):
     return result
 
 
+_REFERENCES = {}
+
+
 def greedy_reference(path, prompts):
     """Per prompt: ids without speculation, and the top-1 minus top-2 logprob at each step (for the margin
-    rule of ``tests.gguf.greedy``)."""
+    rule of ``tests.gguf.greedy``); computed once per checkpoint."""
+    if path not in _REFERENCES:
+        _REFERENCES[path] = _greedy_reference(path, prompts)
+    return _REFERENCES[path]
+
+
+def _greedy_reference(path, prompts):
     llm = LLM(path, dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -54,6 +65,42 @@ def test_greedy_ids_equal_those_without_speculation(tiny_checkpoint, prompts, ar
     assert counts.num_accepted_tokens > 0, "no proposal was ever accepted"
     assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
     assert counts.num_draft_tokens <= 4 * counts.num_drafts
+
+
+def speculative_greedy(path, prompts, speculative_config, keep_speculating=True):
+    """Greedy ids of the prompts batched, then one at a time, and the engine's speculation counts.
+    ``keep_speculating``: no back-off, so that every step of the comparison verifies proposals."""
+    llm = LLM(path, dtype="float32", max_model_len=256, speculative_config=speculative_config)
+    core = llm.llm_engine.engine_core.engine_core
+    if keep_speculating:
+        core.backoff.min_accepted_per_step = 0
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    batched = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]
+    core.check_idle_invariants()
+    assert not core.proposer.states, "the draft model's per-request state was not released"
+    assert len(core.proposer.free_blocks) == core.proposer.num_blocks - 1, "draft KV blocks leaked"
+    llm.shutdown()
+    return batched, alone, core.scheduler.spec_decode_counts
+
+
+@pytest.mark.parametrize(("target", "draft"), [("llama", "llama"), ("llama", "qwen2"), ("qwen3", "llama")])
+def test_greedy_ids_with_a_draft_model_equal_those_without(tiny_checkpoint, prompts, target, draft):
+    """The target as its own draft (every proposal accepted: the bonus-token path) and another model of the
+    same tokenizer (mostly rejected: the rollback path)."""
+    path = tiny_checkpoint(target)
+    reference = greedy_reference(path, prompts)
+    config = {"method": "draft_model", "model": tiny_checkpoint(draft), "num_speculative_tokens": 4,
+              "disable_by_batch_size": None}
+    batched, alone, counts = speculative_greedy(path, prompts, config)
+    assert_greedy_agrees(batched, reference, prompts, NUM_NEW_TOKENS)
+    assert_greedy_agrees(alone, reference, prompts, NUM_NEW_TOKENS)
+    assert counts.num_drafts > 0
+    assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
+    if target == draft:
+        assert counts.num_accepted_tokens == counts.num_draft_tokens
+    else:
+        assert counts.num_accepted_tokens < counts.num_draft_tokens
 
 
 def test_seeded_random_sampling_is_reproducible(tiny_checkpoint, prompts):

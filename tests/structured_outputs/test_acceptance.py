@@ -2,7 +2,8 @@
 expressions and 10 choice lists (quire.core.testing.constraints), through /v1/chat/completions and through
 ``LLM.generate``. Every output that finishes with ``stop`` parses and validates (jsonschema), fully matches
 its regex (``re``) or is one of its choices; every output cut by ``length`` is a valid prefix (llguidance,
-not the engine's default backend); at least 95% finish with ``stop`` within 256 tokens. Also the openai
+not the engine's default backend); at least 95% finish with ``stop`` within 256 tokens. ``LLM.generate`` runs
+with n-gram speculative decoding, so this also holds with speculation. Also the openai
 SDK's ``chat.completions.parse`` / ``.stream`` with a pydantic model. ``pytest -s`` prints the figures.
 """
 
@@ -190,11 +191,20 @@ def test_chat_completions_outputs_follow_their_constraints(demo_server):
 
 @pytest.fixture(scope="module")
 def llm():
+    """With n-gram speculation on every request (the server above decodes without): proposals are cut where
+    the grammar refuses them and each verified position is masked as the grammar stands after the
+    proposals before it."""
     from quire.offline import LLM
 
-    llm = LLM(dtype="float32", multiprocess=False)
+    llm = LLM(dtype="float32", multiprocess=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None})
+    llm.llm_engine.engine_core.engine_core.backoff.min_accepted_per_step = 0  # every request keeps speculating
     yield llm
     llm.shutdown()
+
+
+def speculation_counts(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler.spec_decode_counts
 
 
 def generate_offline(llm, cases: list[Case], max_tokens: int) -> list[Result]:
@@ -214,9 +224,13 @@ def generate_offline(llm, cases: list[Case], max_tokens: int) -> list[Result]:
 def test_llm_generate_outputs_follow_their_constraints(llm):
     cases = all_cases()
     started = time.monotonic()
+    accepted_before = speculation_counts(llm).num_accepted_tokens
     results = generate_offline(llm, cases, MAX_TOKENS)
-    print(f"\n[offline] {len(cases)} requests in {time.monotonic() - started:.1f} s")
+    counts = speculation_counts(llm)
+    print(f"\n[offline, speculative] {len(cases)} requests in {time.monotonic() - started:.1f} s; {counts.num_drafts} "
+          f"drafts, {counts.num_accepted_tokens} of {counts.num_draft_tokens} proposed tokens accepted")
     judge("offline", cases, results)
+    assert counts.num_accepted_tokens > accepted_before  # the constrained outputs did speculate
 
 
 def test_outputs_cut_by_length_are_valid_prefixes(llm):

@@ -85,3 +85,17 @@ def test_regex_and_grammar(backend, tokenizer):
     grammar = StructuredOutputsParams(grammar='root ::= "yes" | "no" " thanks"?')
     assert walk(backend, tokenizer, grammar, "no thanks")[0]
     assert not walk(backend, tokenizer, grammar, "maybe")[0]
+
+
+def test_count_valid_checks_proposals_without_moving_the_grammar(backend, tokenizer):
+    """Speculative proposals: how many the grammar takes next, from the first; then it is where it was."""
+    params = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
+    grammar = backend.compile(params.kind, params.spec, params.disable_any_whitespace).new_grammar()
+    tokens = [tokenizer.convert_tokens_to_ids(c) for c in "12-a"]
+    assert grammar.count_valid(tokens) == 2  # "1", "2", then "-" comes too early
+    assert grammar.count_valid([tokens[0], tokens[0], tokens[0], tokens[2], tokens[3], tokens[3]]) == 6
+    assert grammar.accept_tokens(tokens[:2])  # the checks left the grammar at its start
+    assert grammar.count_valid([tokens[0], tokens[2]]) == 2
+    assert grammar.count_valid([tokens[2]]) == 0
+    grammar.rollback(2)
+    assert grammar.count_valid(tokens) == 2

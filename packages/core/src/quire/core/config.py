@@ -272,6 +272,9 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Speculative decoding stops in steps with more running requests than this (measured in
+# docs/performance.md: on two CPU cores a batch of 8 is already compute-bound).
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 
 
 def parse_json_object(value: str | dict) -> dict:
@@ -291,13 +294,19 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's ``speculative_config`` shape: ``method`` "ngram" (prompt lookup: the
     tokens that followed the latest earlier occurrence of the sequence's last ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens) or "draft_model" (a smaller model of the same tokenizer at ``model``)
-    proposes ``num_speculative_tokens`` tokens per step, which the target model verifies in one step."""
+    proposes ``num_speculative_tokens`` tokens per step, which the target model verifies in one step.
+
+    ``disable_by_batch_size``: no request speculates in a step that has more running requests than this
+    (None: no limit), since verifying ``1 + k`` tokens per request stops being nearly free once a step is
+    compute-bound. ``draft_model_config`` is not given by users: ``EngineArgs`` fills it from ``model``."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None
+    disable_by_batch_size: int | None = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    draft_model_config: ModelConfig | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
@@ -307,7 +316,7 @@ class SpeculativeConfig:
             value = parse_json_object(value)
         except ValueError as error:
             raise ConfigError(f"speculative_config: {error}") from None
-        fields = {field.name for field in dataclasses.fields(cls)}
+        fields = {field.name for field in dataclasses.fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(value) - fields)
         if unknown:
             raise ConfigError(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: "
@@ -320,6 +329,11 @@ class SpeculativeConfig:
             number = value.get(name, 1)
             if not isinstance(number, int) or isinstance(number, bool) or number < 1:
                 raise ConfigError(f"speculative_config.{name} must be a whole number >= 1, got {number!r}")
+        batch_size = value.get("disable_by_batch_size", 1)
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1):
+            raise ConfigError(f"speculative_config.disable_by_batch_size must be a whole number >= 1 or null, "
+                              f"got {batch_size!r}")
         if "num_speculative_tokens" not in value:
             raise ConfigError("speculative_config.num_speculative_tokens is required")
         config = cls(**value)

@@ -277,7 +277,7 @@ class EngineArgs:
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
-            speculative=self._speculative_config(),
+            speculative=self._speculative_config(model),
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
                                     data_parallel_rank=self.data_parallel_start_rank,
                                     tensor_parallel_size=self.tensor_parallel_size,
@@ -318,16 +318,35 @@ class EngineArgs:
                               f"({model.num_attention_heads}) and intermediate size ({model.intermediate_size}), "
                               f"and divide or be a multiple of the KV heads ({kv_heads})")
 
-    def _speculative_config(self) -> SpeculativeConfig | None:
+    def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         if self.speculative_config is None:
             return None
         config = SpeculativeConfig.parse(self.speculative_config)
-        if config.method != "ngram":
-            raise ConfigError(f"speculative_config.method {config.method!r}: only ngram runs for now (a draft "
-                              "model is planned)")
         if self.tensor_parallel_size > 1:
             raise ConfigError("speculative_config runs with tensor_parallel_size 1 for now")
+        if config.method == "draft_model":
+            config = dataclasses.replace(config, draft_model_config=self._draft_model_config(config.model, target))
         return config
+
+    def _draft_model_config(self, path: str, target: ModelConfig) -> ModelConfig:
+        """The draft model's config: the target's dtype and length; ConfigError unless its tokenizer is the
+        target's (same vocabulary, same ids) and it is a text model."""
+        from quire.core.tokenizer import load_tokenizer
+
+        if not Path(path).exists():
+            raise ConfigError(f"speculative_config.model {path!r} does not exist")
+        draft = ModelConfig.from_path(path, dtype=target.dtype, max_model_len=target.max_model_len)
+        if draft.is_multimodal:
+            raise ConfigError(f"speculative_config.model {path!r} is a vision-language model; the draft must be a "
+                              "text model")
+        target_vocab = load_tokenizer(self.tokenizer or target.path).get_vocab()
+        if load_tokenizer(path).get_vocab() != target_vocab:
+            raise ConfigError(f"speculative_config.model {path!r} has another tokenizer than the model: a draft "
+                              "model must share the target's vocabulary")
+        if draft.vocab_size < len(target_vocab):
+            raise ConfigError(f"speculative_config.model {path!r} scores {draft.vocab_size} tokens, fewer than the "
+                              f"tokenizer's {len(target_vocab)}")
+        return draft
 
     def _multimodal_config(self) -> MultiModalConfig:
         local_path = None

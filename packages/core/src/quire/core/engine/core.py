@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from quire.core.config import EngineConfig
 from quire.core.engine.executor import default_executor_backend, get_executor_class
 from quire.core.engine.faults import Faults
@@ -47,16 +45,25 @@ class EngineCore:
             config.model.max_model_len,
         )
         self.structured_outputs = StructuredOutputManager(
-            config.tokenizer, config.model.vocab_size, config.scheduler.max_num_seqs)
+            config.tokenizer, config.model.vocab_size, config.scheduler.max_num_seqs,
+            config.speculative.num_speculative_tokens if config.speculative is not None else 0)
         if self.faults.enabled:
             logger.warning("test fault injection is enabled: %s", self.faults)
-        self.proposer = None
+        self.proposer = self.backoff = None
         speculative = config.speculative
         if speculative is not None:
-            from quire.core.spec_decode.ngram import NgramProposer
+            from quire.core.spec_decode.backoff import SpeculationBackoff
 
-            self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                                          speculative.prompt_lookup_max)
+            if speculative.method == "draft_model":
+                from quire.core.spec_decode.draft_model import DraftModelProposer
+
+                self.proposer = DraftModelProposer(config, self.num_blocks)
+            else:
+                from quire.core.spec_decode.ngram import NgramProposer
+
+                self.proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                              speculative.prompt_lookup_max)
+            self.backoff = SpeculationBackoff()
         self.num_steps = 0
         self.timings = StepTimings()
         logger.info("engine ready: %s, %d KV blocks of %d tokens", config.model.architecture,
@@ -98,7 +105,10 @@ class EngineCore:
     def _release_if_idle(self) -> None:
         # With no step coming, hand the runner the requests to drop now rather than at the next step.
         if not self.scheduler.has_unfinished_requests():
-            self.executor.remove_requests(self.scheduler.take_removed_request_ids())
+            removed = self.scheduler.take_removed_request_ids()
+            self.executor.remove_requests(removed)
+            if self.proposer is not None:
+                self._remove_speculation_state(removed)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -161,6 +171,11 @@ class EngineCore:
         self.faults.rewrite_samples(runner_output.sampled_token_ids, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.proposer is not None:
+            self._remove_speculation_state(scheduler_output.finished_request_ids)
+            for request_id in scheduler_output.scheduled_spec_decode_tokens:
+                sampled = runner_output.sampled_token_ids.get(request_id)
+                if sampled:
+                    self.backoff.record(request_id, len(sampled) - 1, self.num_steps)
             self._propose()
         self._release_if_idle()
         timings.mark("update")
@@ -169,21 +184,38 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Proposed tokens for the next step of every running request that may speculate (its last token
-        computed, its sampling plain enough for the rejection sampler)."""
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens == 1 and can_speculate(request):
-                request.spec_token_ids = self.proposer.propose(np.asarray(request.all_token_ids)).tolist()
+        computed, its sampling plain enough for the rejection sampler, not backed off), unless more requests
+        run than ``disable_by_batch_size``."""
+        running = self.scheduler.running
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        requests = [request for request in running
+                    if request.num_tokens - request.num_computed_tokens == 1 and can_speculate(request)
+                    and self.backoff.allows(request.request_id, self.num_steps + 1)]
+        if requests:
+            for request, proposal in zip(requests, self.proposer.propose_requests(requests)):
+                if proposal and request.structured_output is not None:
+                    proposal = self.structured_outputs.valid_proposal(request, proposal)
+                request.spec_token_ids = proposal
+
+    def _remove_speculation_state(self, request_ids) -> None:
+        if request_ids:
+            self.proposer.remove_requests(request_ids)
+            self.backoff.remove_requests(request_ids)
 
     def _fill_grammar_bitmask(self, scheduler_output) -> None:
         """The token bitmask of the constrained requests that sample in this step."""
-        requests = self.scheduler.requests
+        requests, spec_tokens = self.scheduler.requests, scheduler_output.scheduled_spec_decode_tokens
         constrained = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests[request_id]
-            if request.structured_output is not None and request.num_computed_tokens == request.num_tokens:
+            if request.structured_output is not None and (
+                    request.num_computed_tokens == request.num_tokens + len(spec_tokens.get(request_id, ()))):
                 constrained.append(request)
         if constrained:
-            scheduler_output.grammar_bitmask = self.structured_outputs.grammar_bitmask(constrained)
+            scheduler_output.grammar_bitmask = self.structured_outputs.grammar_bitmask(
+                constrained, scheduler_output.scheduled_spec_decode_tokens)
 
     def make_stats(self):
         stats = self.scheduler.make_stats()
@@ -201,8 +233,11 @@ class EngineCore:
 def can_speculate(request: Request) -> bool:
     """Whether the rejection sampler can verify proposals for ``request``: it applies temperature, top-k,
     top-p and min-p only, so requests with logprobs, penalties, logit bias, allowed or banned tokens, a
-    pending ``min_tokens`` or a structured-output grammar decode one token per step."""
+    pending ``min_tokens`` decode one token per step. A structured-output request speculates once its
+    constraint is on (compiled, past any reasoning): its proposals are cut at the first token the grammar
+    refuses, and each verified position is masked by the grammar as it stands after the proposals before."""
     params = request.sampling_params
+    structured = request.structured_output
     return (params.logprobs is None and not params.has_penalties and params.logit_bias is None
             and params.allowed_token_ids is None and not request.bad_words_token_ids
-            and request.num_output_tokens >= params.min_tokens and request.structured_output is None)
+            and request.num_output_tokens >= params.min_tokens and (structured is None or structured.is_active))

@@ -45,6 +45,13 @@ class NgramProposer:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
 
+    def propose_requests(self, requests) -> list[list[int]]:
+        """The proposals of each request (a ``quire.core.request.Request``), from its tokens so far."""
+        return [self.propose(np.asarray(request.all_token_ids)).tolist() for request in requests]
+
+    def remove_requests(self, request_ids) -> None:
+        """Nothing is kept per request."""
+
     def propose(self, token_ids: np.ndarray) -> np.ndarray:
         """0 to ``num_speculative_tokens`` draft tokens (int64, a new array) for a 1-D sequence of ids."""
         tokens = np.asarray(token_ids)

@@ -35,6 +35,11 @@ class Grammar(abc.ABC):
         """Undo the last ``num_tokens`` accepted tokens."""
 
     @abc.abstractmethod
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of these tokens, from the first, the grammar would accept next; the grammar is left as
+        it was (speculative proposals are checked this way)."""
+
+    @abc.abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32 words, C-contiguous)."""
 

@@ -45,6 +45,9 @@ class GuidanceGrammar(Grammar):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        return self.matcher.validate_tokens(list(token_ids))
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)

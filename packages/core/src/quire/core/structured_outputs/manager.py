@@ -94,13 +94,15 @@ class StructuredOutputRequest:
 class StructuredOutputManager:
     """Compiles, caches and steps the grammars of one engine core's requests."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, max_num_seqs: int):
+    def __init__(self, tokenizer_path: str, vocab_size: int, max_num_seqs: int, num_speculative_tokens: int = 0):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids: list[int] | None = None  # the grammars' stop tokens: the requests' EOS ids
         import numpy as np
 
-        self.bitmask = np.full((max_num_seqs, bitmask_words(vocab_size)), -1, dtype=np.int32)
+        # a row per sampled position: with speculation, each proposal and the token after them
+        num_rows = max_num_seqs * (1 + num_speculative_tokens)
+        self.bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._tokenizer: Any = None
@@ -174,21 +176,44 @@ class StructuredOutputManager:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def grammar_bitmask(self, requests) -> tuple[list[str], Any] | None:
+    def grammar_bitmask(self, requests, spec_tokens: dict[str, list[int]] | None = None
+                        ) -> tuple[list[str], Any] | None:
         """Fill a bitmask row for each of these (sampling, constrained) requests whose constraint is on;
-        return the request ids in row order and the filled rows (a view of the preallocated array)."""
+        return the request ids in row order and the filled rows (a view of the preallocated array).
+
+        A request verifying proposals (``spec_tokens``) gets a row per position, in order: the tokens
+        allowed after its output so far, then after each proposal in turn (its id repeats); the grammar is
+        walked over the proposals and rolled back."""
         request_ids = []
+        spec_tokens = spec_tokens or {}
         for request in requests:
             structured = request.structured_output
             if not self._constraint_on(request, structured):
                 continue
             self._sync(request, structured)
-            row = len(request_ids)
-            structured.grammar.fill_bitmask(self.bitmask, row)
+            grammar = structured.grammar
+            grammar.fill_bitmask(self.bitmask, len(request_ids))
             request_ids.append(request.request_id)
+            proposal = spec_tokens.get(request.request_id, ())
+            for token_id in proposal:
+                if not grammar.accept_tokens([token_id]):  # proposals are checked when made: not expected
+                    raise RuntimeError(f"request {request.request_id}: proposed token {token_id} is not allowed")
+                if grammar.is_terminated():  # the request ends at this token: what follows is dropped
+                    self.bitmask[len(request_ids)] = -1
+                else:
+                    grammar.fill_bitmask(self.bitmask, len(request_ids))
+                request_ids.append(request.request_id)
+            if proposal:
+                grammar.rollback(len(proposal))
         if not request_ids:
             return None
         return request_ids, self.bitmask[:len(request_ids)]
+
+    def valid_proposal(self, request, proposal: list[int]) -> list[int]:
+        """The longest start of ``proposal`` that the request's active constraint allows."""
+        structured = request.structured_output
+        self._sync(request, structured)
+        return proposal[:structured.grammar.count_valid(proposal)]
 
     def _constraint_on(self, request, structured: StructuredOutputRequest) -> bool:
         if structured.grammar is None:

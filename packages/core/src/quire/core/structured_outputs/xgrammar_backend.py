@@ -41,6 +41,16 @@ class XGrammarGrammar(Grammar):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        count = 0
+        for token_id in token_ids:  # a refused token leaves the matcher as it was
+            if not self.matcher.accept_token(token_id):
+                break
+            count += 1
+        if count:
+            self.matcher.rollback(count)
+        return count
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
 

@@ -10,7 +10,7 @@ import torch
 
 from quire.core.attention import get_attention_backend
 from quire.core.attention.metadata import AttentionMetadata
-from quire.core.config import EngineConfig
+from quire.core.config import EngineConfig, ModelConfig
 from quire.core.distributed.group import TensorParallelGroup
 from quire.core.models import get_model_entry
 from quire.core.models.layers import quantize_int8
@@ -22,7 +22,7 @@ from quire.core.worker.cuda_graphs import CudaGraphRunner
 from quire.core.worker.gpu_memory import describe_kernels, profile_kv_blocks, resolve_device
 from quire.core.worker.input_batch import InputBatch
 from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
-from quire.core.worker.logits_processors import GRAMMAR_BITMASK
+from quire.core.worker.logits_processors import GRAMMAR_BITMASK, unpack_bitmask
 from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
 from quire.core.worker.rejection_sampler import RejectionSampler
 from quire.core.worker.sampler import Sampler, gather_logprobs
@@ -78,27 +78,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)(model_config.dtype, str(self.device))
-        entry = get_model_entry(model_config.architecture)
-        with self.device:  # parameters and buffers are created on the device
-            if self.group.world_size > 1:
-                self.model = entry.model_class()(model_config, self.attn_backend, tensor_parallel_group=self.group)
-            else:
-                self.model = entry.model_class()(model_config, self.attn_backend)
-        if self.group.world_size > 1:
-            load_weights(self.model, iterate_weight_shards(model_config.path, self.model, entry.weights, model_config,
-                                                           self.group.rank, self.group.world_size),
-                         entry.weights, model_config)
-        elif model_config.is_gguf:
-            from quire.core.models.gguf import GGUFCheckpoint
-            from quire.core.models.gguf_weights import load_gguf_weights
-
-            load_gguf_weights(self.model, GGUFCheckpoint.open(model_config.path), entry.weights, model_config)
-        else:
-            load_weights(self.model, iterate_weights(model_config.path), entry.weights, model_config)
-        if model_config.quantization == "int8":
-            quantize_int8(self.model)
-        self.model.prepack()
-        self.model.eval()
+        self.model = load_model(model_config, self.attn_backend, self.device, self.group)
         logger.info("compute kernels: %s; attention backend: %s", describe_kernels(self.device), backend)
         max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, model_config.max_model_len,
@@ -204,13 +184,26 @@ class ModelRunner:
         first_logits = np.zeros(len(rows), dtype=np.int64)
         np.cumsum(num_spec[:-1] + 1, out=first_logits[1:])
         plain = num_spec == 0
+        plain_bitmask, spec_bitmask = _split_bitmask(grammar_bitmask, set(spec_tokens))
         if plain.any():
-            self._sample(rows[plain], logits[torch.from_numpy(first_logits[plain])], output, grammar_bitmask)
+            self._sample(rows[plain], logits[torch.from_numpy(first_logits[plain])], output, plain_bitmask)
         speculating = ~plain
         spec_rows = rows[speculating]
         counts = num_spec[speculating]
         spec_logits = logits[torch.from_numpy(np.repeat(first_logits[speculating], counts + 1)
                                               + _ranges(counts + 1))]
+        if spec_bitmask is not None:  # each position as its grammar stands after the proposals before it
+            spec_logits = spec_logits.float()
+            starts = np.cumsum(counts + 1) - (counts + 1)
+            start_of = {batch.req_ids[row]: int(start) for row, start in zip(spec_rows.tolist(), starts.tolist())}
+            request_ids, bitmask = spec_bitmask
+            positions, seen = [], {}
+            for request_id in request_ids:
+                positions.append(start_of[request_id] + seen.get(request_id, 0))
+                seen[request_id] = seen.get(request_id, 0) + 1
+            allowed = unpack_bitmask(torch.from_numpy(bitmask), spec_logits.shape[-1])
+            index = torch.tensor(positions, dtype=torch.int64)
+            spec_logits[index] = spec_logits[index].masked_fill(~allowed, float("-inf"))
         draft = torch.tensor([token for row in spec_rows.tolist() for token in spec_tokens[batch.req_ids[row]]],
                              dtype=torch.int64)
         metadata = build_sampling_metadata(batch, spec_rows, logits.shape[-1])
@@ -322,6 +315,49 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(self.device, non_blocking=True),
             num_spec=sampling_spec,
         )
+
+
+def _split_bitmask(grammar_bitmask: tuple[list[str], np.ndarray] | None, speculating: set[str]):
+    """A step's grammar rows, split between the requests that sample one token and those verifying
+    proposals (several rows each, one per position)."""
+    if grammar_bitmask is None:
+        return None, None
+    request_ids, bitmask = grammar_bitmask
+    is_spec = np.array([request_id in speculating for request_id in request_ids], dtype=bool)
+    parts = []
+    for keep in (~is_spec, is_spec):
+        ids = [request_id for request_id, k in zip(request_ids, keep.tolist()) if k]
+        parts.append((ids, bitmask[keep]) if ids else None)
+    return parts[0], parts[1]
+
+
+def load_model(model_config: ModelConfig, attn_backend, device: torch.device,
+               group: TensorParallelGroup | None = None) -> torch.nn.Module:
+    """The model of ``model_config`` on ``device``, its weights loaded (this rank's shard with a group of
+    several ranks), quantized as configured, prepacked for the device's kernels, in eval mode."""
+    entry = get_model_entry(model_config.architecture)
+    sharded = group is not None and group.world_size > 1
+    with device:  # parameters and buffers are created on the device
+        if sharded:
+            model = entry.model_class()(model_config, attn_backend, tensor_parallel_group=group)
+        else:
+            model = entry.model_class()(model_config, attn_backend)
+    if sharded:
+        load_weights(model, iterate_weight_shards(model_config.path, model, entry.weights, model_config,
+                                                  group.rank, group.world_size),
+                     entry.weights, model_config)
+    elif model_config.is_gguf:
+        from quire.core.models.gguf import GGUFCheckpoint
+        from quire.core.models.gguf_weights import load_gguf_weights
+
+        load_gguf_weights(model, GGUFCheckpoint.open(model_config.path), entry.weights, model_config)
+    else:
+        load_weights(model, iterate_weights(model_config.path), entry.weights, model_config)
+    if model_config.quantization == "int8":
+        quantize_int8(model)
+    model.prepack()
+    model.eval()
+    return model
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:
