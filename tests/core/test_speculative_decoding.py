@@ -67,21 +67,25 @@ def test_greedy_ids_equal_those_without_speculation(tiny_checkpoint, prompts, ar
     assert counts.num_draft_tokens <= 4 * counts.num_drafts
 
 
-def speculative_greedy(path, prompts, speculative_config, keep_speculating=True):
-    """Greedy ids of the prompts batched, then one at a time, and the engine's speculation counts.
-    ``keep_speculating``: no back-off, so that every step of the comparison verifies proposals."""
+def speculative_greedy(path, prompts, speculative_config):
+    """Greedy ids of the prompts batched, then one at a time, and the engine's speculation counts; then the
+    drafts and proposed tokens of 4 more requests of 21 tokens. No back-off: every step verifies proposals."""
     llm = LLM(path, dtype="float32", max_model_len=256, speculative_config=speculative_config)
     core = llm.llm_engine.engine_core.engine_core
-    if keep_speculating:
-        core.backoff.min_accepted_per_step = 0
+    core.backoff.min_accepted_per_step = 0
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     batched = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]
+    counts = core.scheduler.spec_decode_counts
+    before = counts.num_drafts, counts.num_draft_tokens
+    # 1 + 5m tokens: when every proposal is accepted, max_tokens never cuts a proposal short
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=21, ignore_eos=True), use_tqdm=False)
+    full_room = counts.num_drafts - before[0], counts.num_draft_tokens - before[1]
     core.check_idle_invariants()
     assert not core.proposer.states, "the draft model's per-request state was not released"
     assert len(core.proposer.free_blocks) == core.proposer.num_blocks - 1, "draft KV blocks leaked"
     llm.shutdown()
-    return batched, alone, core.scheduler.spec_decode_counts
+    return batched, alone, counts, full_room
 
 
 @pytest.mark.parametrize(("target", "draft"), [("llama", "llama"), ("llama", "qwen2"), ("qwen3", "llama")])
@@ -92,15 +96,63 @@ def test_greedy_ids_with_a_draft_model_equal_those_without(tiny_checkpoint, prom
     reference = greedy_reference(path, prompts)
     config = {"method": "draft_model", "model": tiny_checkpoint(draft), "num_speculative_tokens": 4,
               "disable_by_batch_size": None}
-    batched, alone, counts = speculative_greedy(path, prompts, config)
+    batched, alone, counts, full_room = speculative_greedy(path, prompts, config)
     assert_greedy_agrees(batched, reference, prompts, NUM_NEW_TOKENS)
     assert_greedy_agrees(alone, reference, prompts, NUM_NEW_TOKENS)
     assert counts.num_drafts > 0
     assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
     if target == draft:
         assert counts.num_accepted_tokens == counts.num_draft_tokens
+        # no back-off and room for every proposal: each verification step proposed k tokens
+        num_drafts, num_draft_tokens = full_room
+        assert num_drafts > 0 and num_draft_tokens == 4 * num_drafts
     else:
         assert counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def test_requests_whose_proposals_fail_back_off(tiny_checkpoint, prompts):
+    """A draft model that mostly disagrees with the target: requests pause speculating, so far fewer steps
+    verify proposals than decode; the greedy ids stay those without speculation."""
+    path = tiny_checkpoint("llama")
+    llm = LLM(path, dtype="float32", max_model_len=256, speculative_config={
+        "method": "draft_model", "model": tiny_checkpoint("qwen2"), "num_speculative_tokens": 4})
+    core = llm.llm_engine.engine_core.engine_core
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    steps_before = core.num_steps
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]
+    num_steps = core.num_steps - steps_before
+    counts = core.scheduler.spec_decode_counts
+    llm.shutdown()
+    assert core.backoff.num_pauses >= NUM_PROMPTS // 2
+    assert counts.num_accepted_tokens < 0.5 * counts.num_drafts  # the back-off's mark is 0.5 per step
+    assert counts.num_drafts < 0.5 * num_steps
+    assert_greedy_agrees(alone, greedy_reference(path, prompts), prompts, NUM_NEW_TOKENS)
+
+
+def test_logprobs_are_the_target_models(tiny_checkpoint, prompts):
+    """Requests with logprobs speculate too; each output token's logprobs (the token's, its rank and the top
+    2) are the target model's at that position, as without speculation."""
+    path = tiny_checkpoint("llama")
+    llm = LLM(path, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=2)
+    speculative = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=False)]
+    counts = llm.llm_engine.engine_core.engine_core.scheduler.spec_decode_counts
+    llm.shutdown()
+    plain_llm = LLM(path, dtype="float32", max_model_len=256)
+    plain = [output.outputs[0] for output in plain_llm.generate(prompts, params, use_tqdm=False)]
+    plain_llm.shutdown()
+    assert counts.num_accepted_tokens > 0
+    num_compared = 0
+    for with_spec, without in zip(speculative, plain):
+        assert len(with_spec.logprobs) == len(with_spec.token_ids)
+        for token, position, reference in zip(with_spec.token_ids, with_spec.logprobs, without.logprobs):
+            if token not in reference:
+                break  # the outputs part at a near-tie (the margin rule): later positions differ in context
+            assert position[token].rank == reference[token].rank
+            assert position[token].logprob == pytest.approx(reference[token].logprob, abs=1e-4)
+            assert sorted(position) == sorted(reference)  # the same top tokens
+            num_compared += 1
+    assert num_compared >= 0.9 * NUM_PROMPTS * NUM_NEW_TOKENS
 
 
 def test_seeded_random_sampling_is_reproducible(tiny_checkpoint, prompts):

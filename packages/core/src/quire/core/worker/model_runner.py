@@ -192,9 +192,11 @@ class ModelRunner:
         counts = num_spec[speculating]
         spec_logits = logits[torch.from_numpy(np.repeat(first_logits[speculating], counts + 1)
                                               + _ranges(counts + 1))]
+        starts = np.cumsum(counts + 1) - (counts + 1)  # each row's first position in spec_logits
+        metadata = build_sampling_metadata(batch, spec_rows, logits.shape[-1])
+        raw_logits = spec_logits.float().cpu() if metadata.num_logprobs else None  # logprobs: before any mask
         if spec_bitmask is not None:  # each position as its grammar stands after the proposals before it
-            spec_logits = spec_logits.float()
-            starts = np.cumsum(counts + 1) - (counts + 1)
+            spec_logits = spec_logits.float().clone()
             start_of = {batch.req_ids[row]: int(start) for row, start in zip(spec_rows.tolist(), starts.tolist())}
             request_ids, bitmask = spec_bitmask
             positions, seen = [], {}
@@ -206,7 +208,6 @@ class ModelRunner:
             spec_logits[index] = spec_logits[index].masked_fill(~allowed, float("-inf"))
         draft = torch.tensor([token for row in spec_rows.tolist() for token in spec_tokens[batch.req_ids[row]]],
                              dtype=torch.int64)
-        metadata = build_sampling_metadata(batch, spec_rows, logits.shape[-1])
         num_outputs = batch.num_tokens[spec_rows] - batch.num_prompt_tokens[spec_rows]
         seeds = {i: (batch.seeds[row], int(num_outputs[i])) for i, row in enumerate(spec_rows.tolist())
                  if batch.seeds[row] is not None}
@@ -218,6 +219,11 @@ class ModelRunner:
             batch.token_ids[row, start:start + len(kept)] = kept
             batch.num_tokens[row] += len(kept)
             output.sampled_token_ids[batch.req_ids[row]] = kept.tolist()
+            k = metadata.num_logprobs.get(i)
+            if k is not None:  # the target's raw logprobs at each output position, as the normal sampler's
+                positions = raw_logits[int(starts[i]):int(starts[i]) + len(kept)]
+                output.logprobs[batch.req_ids[row]] = gather_logprobs(
+                    positions.log_softmax(dim=-1), torch.from_numpy(kept.astype(np.int64)), k)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
         """Logprobs of the prompt tokens that this step's chunks predict (for requests that asked)."""
