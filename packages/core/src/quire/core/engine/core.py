@@ -233,9 +233,10 @@ class EngineCore:
 def can_speculate(request: Request) -> bool:
     """Whether the rejection sampler can verify proposals for ``request``: it applies temperature, top-k,
     top-p and min-p only, so requests with penalties, logit bias, allowed or banned tokens or a pending
-    ``min_tokens`` decode one token per step (logprobs are the target's at each output position). A structured-output request speculates once its
-    constraint is on (compiled, past any reasoning): its proposals are cut at the first token the grammar
-    refuses, and each verified position is masked by the grammar as it stands after the proposals before."""
+    ``min_tokens`` decode one token per step (logprobs are the target's at each output position). A
+    structured-output request speculates once its constraint is on (compiled, past any reasoning): its
+    proposals are cut at the first token the grammar refuses, and each verified position is masked by the
+    grammar as it stands after the proposals before."""
     params = request.sampling_params
     structured = request.structured_output
     return (not params.has_penalties and params.logit_bias is None
