@@ -219,6 +219,8 @@ def test_each_rate_of_a_sweep_sends_fresh_prompts(monkeypatch):
     from quire.cli import bench_serve
 
     class Response:
+        text = ""  # /metrics: no speculative-decoding counters
+
         def raise_for_status(self):
             pass
 

@@ -42,7 +42,10 @@ def _llm(engine_args):
 
 
 def _vocab_size(model_path: str) -> int:
-    return json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    """From a checkpoint folder's config.json or a GGUF file's metadata (the default model is one)."""
+    from quire.core.config import ModelConfig
+
+    return ModelConfig.from_path(model_path).vocab_size
 
 
 def _write_json(path: Path | None, data: dict) -> None:
@@ -60,18 +63,21 @@ def run_latency(engine_args, input_len, output_len, batch_size, n, num_iters_war
     print(f"batch of {batch_size}, {input_len} prompt and {output_len} output tokens, n={n}", file=sys.stderr)
     for _ in range(num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
+    counts_before = _spec_decode_counts(llm)
     latencies = []
     for _ in range(num_iters):
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         latencies.append(time.perf_counter() - start)
+    spec_decode = _spec_decode_counts(llm).since(counts_before).summary()
     llm.shutdown()
     percentiles = {p: float(np.percentile(latencies, p)) for p in PERCENTILES}
     print(f"Avg latency: {np.mean(latencies)} seconds")
     for p, value in percentiles.items():
         print(f"{p}% percentile latency: {value} seconds")
+    print_spec_decode_result(engine_args, spec_decode)
     _write_json(output_json, {"avg_latency": float(np.mean(latencies)), "latencies": latencies,
-                              "percentiles": {str(p): v for p, v in percentiles.items()}})
+                              "percentiles": {str(p): v for p, v in percentiles.items()}, **spec_decode})
 
 
 def run_throughput(engine_args, backend, dataset_name, input_len, output_len, range_ratio, num_prompts,
@@ -79,8 +85,9 @@ def run_throughput(engine_args, backend, dataset_name, input_len, output_len, ra
     path = _model_path(engine_args)
     ratio = range_ratio if dataset_name == "random" else 0.0
     requests = make_requests(num_prompts, input_len, output_len, ratio, _vocab_size(path), engine_args.seed)
+    spec_decode = {}
     if backend == "quire":
-        elapsed = quire_throughput(engine_args, requests)
+        elapsed, spec_decode = quire_throughput(engine_args, requests)
     else:
         elapsed = hf_throughput(path, requests, engine_args.dtype, hf_max_batch_size or len(requests))
     num_prompt_tokens = sum(len(prompt) for prompt, _ in requests)
@@ -90,25 +97,51 @@ def run_throughput(engine_args, backend, dataset_name, input_len, output_len, ra
           f"{num_output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {num_prompt_tokens}")
     print(f"Total num output tokens:  {num_output_tokens}")
+    if backend == "quire":
+        print_spec_decode_result(engine_args, spec_decode)
     _write_json(output_json, {"backend": backend, "elapsed_time": elapsed, "num_requests": len(requests),
                               "total_num_tokens": total, "requests_per_second": len(requests) / elapsed,
                               "tokens_per_second": total / elapsed,
-                              "output_tokens_per_second": num_output_tokens / elapsed})
+                              "output_tokens_per_second": num_output_tokens / elapsed, **spec_decode})
 
 
-def quire_throughput(engine_args, requests) -> float:
+def quire_throughput(engine_args, requests) -> tuple[float, dict]:
+    """Seconds to generate ``requests``, and the speculative-decoding figures of that run (empty without
+    drafts)."""
     from quire.offline import SamplingParams
 
     llm = _llm(engine_args)
     prompts = [prompt for prompt, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    counts_before = _spec_decode_counts(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in requests]
+    spec_decode = _spec_decode_counts(llm).since(counts_before).summary()
     llm.shutdown()
-    return elapsed
+    return elapsed, spec_decode
+
+
+def _spec_decode_counts(llm):
+    """The engine's cumulative speculative-decoding counters, from the scheduler statistics its last step
+    reported: ``LLM.get_metrics`` has them whether the engine core runs in this process or its own."""
+    from quire.cli.bench_spec_decode import SpecDecodeCounts
+
+    return SpecDecodeCounts.from_scheduler_stats(llm.get_metrics().scheduler)
+
+
+def print_spec_decode_result(engine_args, spec_decode: dict) -> None:
+    """With a speculative config, the timed run's acceptance figures (``SpecDecodeCounts.summary``)."""
+    from quire.cli.bench_spec_decode import print_spec_decode_section
+
+    if engine_args.speculative_config is None:
+        return
+    if not spec_decode:
+        print("Speculative decoding: no proposals were verified in the timed run")
+        return
+    print_spec_decode_section(spec_decode)
 
 
 def hf_throughput(path: str, requests, dtype: str, batch_size: int) -> float:

@@ -17,6 +17,8 @@ import httpx
 import msgspec
 import numpy as np
 
+from quire.cli.bench_spec_decode import print_spec_decode_section, read_spec_decode_counts
+
 
 @dataclasses.dataclass
 class ServeBenchConfig:
@@ -50,24 +52,28 @@ class RequestResult:
 def run_serve_bench(config: ServeBenchConfig, rates: list[float], output_json: Path | None,
                     plot: Path | None) -> int:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    try:
-        with httpx.Client(base_url=config.base_url, headers=headers, timeout=30) as http:
+    with httpx.Client(base_url=config.base_url, headers=headers, timeout=30) as http:
+        try:
             models = http.get("/v1/models")
             models.raise_for_status()
             model = config.model or models.json()["data"][0]["id"]
             tokenizer_info = http.get("/tokenizer_info").json()
-    except httpx.HTTPError as error:
-        print(f"error: cannot reach a server at {config.base_url}: {error}", file=sys.stderr)
-        return 1
-    vocab_size = tokenizer_info.get("vocab_size", 1000)
-    runs = []
-    for index, rate in enumerate(rates):
-        # each rate gets its own prompts: repeating the previous rate's would hit the server's prefix cache
-        rate_config = dataclasses.replace(config, seed=config.seed + index)
-        results, duration = _run(_benchmark(rate_config, model, rate, headers, vocab_size))
-        summary = summarize(config, rate, results, duration)
-        print_result_block(config, summary)
-        runs.append({"summary": summary, "results": results})
+        except httpx.HTTPError as error:
+            print(f"error: cannot reach a server at {config.base_url}: {error}", file=sys.stderr)
+            return 1
+        vocab_size = tokenizer_info.get("vocab_size", 1000)
+        runs = []
+        for index, rate in enumerate(rates):
+            # each rate gets its own prompts: repeating the previous rate's would hit the server's prefix cache
+            rate_config = dataclasses.replace(config, seed=config.seed + index)
+            counts_before = read_spec_decode_counts(http)
+            results, duration = _run(_benchmark(rate_config, model, rate, headers, vocab_size))
+            summary = summarize(config, rate, results, duration)
+            counts_after = read_spec_decode_counts(http)
+            if counts_before is not None and counts_after is not None:
+                summary.update(counts_after.since(counts_before).summary())
+            print_result_block(config, summary)
+            runs.append({"summary": summary, "results": results})
     if output_json is not None:
         data = [run["summary"] for run in runs]
         output_json.write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2) + "\n")
@@ -321,4 +327,5 @@ def print_result_block(config: ServeBenchConfig, summary: dict) -> None:
         row(f"Median {short} (ms):", summary[f"median_{metric}_ms"])
         for p in config.metric_percentiles:
             row(f"P{p:g} {short} (ms):", summary[f"p{p:g}_{metric}_ms"])
+    print_spec_decode_section(summary)
     print("=" * 50)
