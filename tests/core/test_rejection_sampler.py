@@ -170,8 +170,11 @@ def test_seeded_rows_do_not_depend_on_the_batch_around_them(has_draft_probs):
 def test_output_logprobs_are_the_raw_target_logprobs():
     num_draft_tokens = [3, 0, 2, 4]
     logits, drafts, draft_probs = random_batch(num_draft_tokens, seed=8)
-    output = RejectionSampler(generator(0))(logits, drafts, num_draft_tokens, metadata([0.7, 1.2, 0.0, 0.5]),
-                                            draft_probs=draft_probs)
+    sampler = RejectionSampler(generator(0))
+    assert sampler(logits, drafts, num_draft_tokens, metadata([0.7, 1.2, 0.0, 0.5]),
+                   draft_probs=draft_probs).logprobs is None  # only when asked for
+    output = sampler(logits, drafts, num_draft_tokens, metadata([0.7, 1.2, 0.0, 0.5]), draft_probs=draft_probs,
+                     output_logprobs=True)
     raw_logprobs = logits.log_softmax(-1)
     for row, tokens in enumerate(rows(output)):
         targets, _ = row_slices(num_draft_tokens, row)

@@ -51,7 +51,8 @@ from quire.kernels.sampling import argmax
 class RejectionSamplerOutput:
     token_ids: torch.Tensor  # [B, max_k + 1] int64: row i's kept drafts, then one more token; -1 pads
     num_accepted: torch.Tensor  # [B] int64: kept draft tokens (row i outputs num_accepted[i] + 1 tokens)
-    logprobs: torch.Tensor  # [B, max_k + 1] float32: raw target logprob of each output token; NaN pads
+    # [B, max_k + 1] float32: raw target logprob of each output token, NaN pads (None unless asked for)
+    logprobs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -84,9 +85,11 @@ class RejectionSampler:
     def __call__(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                  num_draft_tokens: Sequence[int] | torch.Tensor, metadata: SamplingMetadata,
                  draft_probs: torch.Tensor | None = None,
-                 seeds: dict[int, tuple[int, int]] | None = None) -> RejectionSamplerOutput:
+                 seeds: dict[int, tuple[int, int]] | None = None,
+                 output_logprobs: bool = False) -> RejectionSamplerOutput:
         """``seeds`` maps a seeded row to ``(request seed, output position of its first target position)``;
-        every row in ``metadata.seeded_rows`` must be there."""
+        every row in ``metadata.seeded_rows`` must be there. ``output_logprobs``: also the raw target logprob
+        of each output token (a log-softmax normaliser per position: skipped unless asked for)."""
         seeds = seeds or {}
         layout = _layout(num_draft_tokens, target_logits.device)
         _validate(target_logits, draft_token_ids, draft_probs, metadata, seeds, layout)
@@ -105,7 +108,8 @@ class RejectionSampler:
             sampled = self._sample_final(target_probs, draft_token_ids, draft_probs, num_accepted, layout, seeds)
             final_tokens = torch.where(is_greedy, final_tokens, sampled)
         token_ids = _output_tokens(draft_token_ids, final_tokens, num_accepted, layout)
-        return RejectionSamplerOutput(token_ids, num_accepted, _output_logprobs(target_logits, token_ids, layout))
+        logprobs = _output_logprobs(target_logits, token_ids, layout) if output_logprobs else None
+        return RejectionSamplerOutput(token_ids, num_accepted, logprobs)
 
     def _uniforms(self, layout: _Layout, seeds: dict[int, tuple[int, int]]) -> torch.Tensor:
         """One acceptance uniform per draft token; a seeded row's is the first draw of its position."""
