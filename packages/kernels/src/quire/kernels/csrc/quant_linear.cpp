@@ -12,6 +12,12 @@
 //   decoding is shared by every row of x.
 // - from kDequantizeBatch rows on (prompts): the weight is decoded into float32 tiles of about 8 MiB that
 //   at::mm (MKL / oneDNN) multiplies, faster there than the register tiles.
+// - instead of the first, the integer path: at batch 1 on the vector paths, and up to 8 rows for Q4_0, Q4_1 and
+//   Q8_0 on AVX-512 VNNI: x is rounded to int16 per group of 32 (before the threads start) and multiplied with the
+//   weights' integers (quant_int_dot.h). On the VNNI path a row's result is bit-identical at every batch size
+//   up to 8 (speculative decoding verifies 1 + k tokens as the rows of one batch, and its greedy output must
+//   be plain decoding's). A row of x holding an infinity or a NaN takes the float32 path at batch 1; a batch
+//   with such a row is computed row by row, so that the others keep their results.
 // Weight rows are split between threads with quire::parallel_chunks.
 //
 // The instruction set is chosen at run time (__builtin_cpu_supports), not by the build's -march=native, so
@@ -74,7 +80,7 @@ struct LinearProblem {
   uint16_t* y_bf16;        // [M, N] when it is bfloat16
 #ifdef QUIRE_QUANT_X86
   const QuantizedX* xq = nullptr;  // x rounded to int16 (batch 1): the integer path
-  const PairedX* xpairs = nullptr;  // and split into bytes for VNNI (Q4_0 and Q4_1 on AVX-512 VNNI CPUs)
+  const PairedX* xpairs = nullptr;  // x rounded and paired (batches up to 8: Q4_0, Q4_1, Q8_0 on AVX-512 VNNI)
 #endif
 };
 
@@ -272,40 +278,29 @@ void linear_fused(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
   }
 }
 
-// Batch 1 with x rounded to int16 (quant_int_dot.h): each weight row's groups of 32 are widened to int16 and
-// multiplied with x, into two sums (even and odd blocks) so that each block's FMA does not wait for the last.
-// (Larger batches stay on float32: there the int16 path's per-row work, a conversion and a scaling per group,
-// costs more than the float32 FMAs it replaces.)
-// Q4_0 and Q4_1 at batch 1 on AVX-512 VNNI (quant_int_dot.h): pairs of blocks, then an odd last block as on
-// the int16 path.
+// The formats with an integer path for batches of 1 to 8 rows on AVX-512 VNNI (dot_pairs).
 template <class Q>
+constexpr bool has_pairs = std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1> || std::is_same_v<Q, Q8_0>;
+
+// Q4_0, Q4_1 and Q8_0 on AVX-512 VNNI (quant_int_dot.h), batches of 1 to 8 rows (x rounded to int16 and paired):
+// each pair of weight blocks is read and widened once and multiplied with every row of x. A row's result is
+// bit-identical at every batch size (dot_pairs), so this path serves batch 1 as well.
+template <class Q, int MR>
 QUIRE_AVX512_VNNI void linear_pairs(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
-  const int64_t num_blocks = p.K / 32;
+  const int64_t num_blocks = p.K / Q::kElements;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = p.w + n * p.row_bytes;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m128 offset = _mm_setzero_ps();
-    dot_pairs<Q>(row, *p.xpairs, *p.xq, acc0, acc1, offset);
-    float value = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    value += _mm_cvtss_f32(offset) + _mm_cvtss_f32(_mm_movehdup_ps(offset));
-    if (num_blocks % 2 == 1) {
-      IntDotSink<Avx512> last(*p.xq);
-      last.first = num_blocks - 1;
-      IntGroups<Q>::decode(row + (num_blocks - 1) * Q::kBytes, 1.f, last);
-      value += Avx512::hsum(last.acc) + last.offset;
-    }
-    store_output(p, 0, n, value);
+    float out[MR];
+    dot_pairs<Q, MR>(p.w + n * p.row_bytes, num_blocks, *p.xpairs, out);
+    for (int i = 0; i < MR; ++i) store_output(p, i, n, out[i]);
   }
 }
 
+// Batch 1 with x rounded to int16 (quant_int_dot.h): each weight row's groups of 32 are widened to int16 and
+// multiplied with x, into two sums (even and odd blocks) so that each block's FMA does not wait for the last.
+// (Larger batches stay on float32, but for linear_pairs: there the int16 path's per-row work, a conversion
+// and a scaling per group, costs more than the float32 FMAs it replaces.)
 template <class V, class Q>
 void linear_int(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
-  if constexpr (std::is_same_v<V, Avx512> && (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>)) {
-    if (p.xpairs != nullptr) {
-      linear_pairs<Q>(p, n_begin, n_end);
-      return;
-    }
-  }
   constexpr int kGroups = Q::kElements / 32;
   const int64_t num_blocks = p.K / Q::kElements, k_tail = num_blocks * Q::kElements;
   for (int64_t n = n_begin; n < n_end; ++n) {
@@ -336,6 +331,12 @@ void linear_int(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
 template <class V, class Q, int MR = V::kMaxRows>
 void linear_fused_rows(const LinearProblem& p, int64_t n_begin, int64_t n_end) {
   if (p.M == MR) {
+    if constexpr (std::is_same_v<V, Avx512> && has_pairs<Q>) {
+      if (p.xpairs != nullptr) {
+        linear_pairs<Q, MR>(p, n_begin, n_end);
+        return;
+      }
+    }
     if (MR == 1 && p.xq != nullptr) {
       linear_int<V, Q>(p, n_begin, n_end);
     } else {
@@ -397,7 +398,7 @@ struct Kernels {
   int64_t tile_cols;      // weight rows per tile of linear's decoded tiles
   int64_t fused_rows;     // batches up to this size decode straight into registers
   QuantizeXFn quantize_x;  // nullptr: no integer path
-  bool pairs = false;      // batch 1 takes x as PairedX (Q4_0, Q4_1 on AVX-512 VNNI)
+  bool pairs = false;      // batches up to fused_rows take x as PairedX (has_pairs on AVX-512 VNNI)
 };
 
 template <class Q>
@@ -441,7 +442,7 @@ Kernels kernels_for([[maybe_unused]] Isa isa) {
 #ifdef QUIRE_QUANT_X86
   if (isa == Isa::Avx512)
     return {&linear_avx512<Q>, &dequantize_avx512<Q>, Avx512::kTileCols, Avx512::kMaxRows, &quantize_x_avx512,
-            (std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>) && cpu_has_vnni()};
+            has_pairs<Q> && cpu_has_vnni()};
   if (isa == Isa::Avx2)
     return {&linear_avx2<Q>, &dequantize_avx2<Q>, Avx2::kTileCols, Avx2::kMaxRows, &quantize_x_avx2};
 #endif
@@ -564,6 +565,55 @@ torch::Tensor linear_by_dequantizing(const torch::Tensor& x32, const Weight& w, 
   return y.to(out_dtype);
 }
 
+// y for fewer than kDequantizeBatch rows of x: on the integer path where this ISA and type have one for this
+// batch size (x rounded here, before the threads share it), else on float32.
+void linear_rows(LinearProblem p, const Kernels& kernels) {
+#ifdef QUIRE_QUANT_X86
+  // the calling thread's buffers for x rounded to int16 (the kernel's threads only read them)
+  thread_local std::vector<int16_t> x_values, paired_values;
+  thread_local std::vector<float> x_scales, paired_scales;
+  const int64_t groups = p.K / 32, pairs = (groups + 1) / 2;
+  QuantizedX xq{};
+  PairedX xpairs{};
+  const bool has_integer_path = p.M == 1 || (kernels.pairs && p.M <= kernels.fused_rows);
+  if (has_integer_path && kernels.quantize_x != nullptr && groups > 0) {
+    x_values.resize(p.M * groups * 32);
+    x_scales.resize(2 * p.M * groups);
+    xq = {x_values.data(), x_scales.data(), x_scales.data() + p.M * groups};
+    if (kernels.quantize_x(p.x, p.M, p.K, x_values.data(), x_scales.data(), x_scales.data() + p.M * groups)) {
+      p.xq = &xq;
+      if (kernels.pairs) {
+        paired_values.resize(pairs * p.M * 64);
+        paired_scales.resize(4 * pairs * p.M);
+        float* paired_sums = paired_scales.data() + 2 * pairs * p.M;
+        pair_x(xq, p.M, groups, paired_values.data(), paired_scales.data(), paired_sums);
+        xpairs = {paired_values.data(), paired_scales.data(), paired_sums, pairs};
+        p.xpairs = &xpairs;
+      }
+    } else if (p.M > 1) {
+      // NOTE: a row holding an infinity or a NaN takes the float32 path at batch 1; here every row is
+      // computed as at batch 1, so that each row's result does not depend on the others
+      for (int64_t m = 0; m < p.M; ++m) {
+        LinearProblem row = p;
+        row.x = p.x + m * p.K;
+        row.M = 1;
+        if (p.y != nullptr) row.y = p.y + m * p.N;
+        if (p.y_bf16 != nullptr) row.y_bf16 = p.y_bf16 + m * p.N;
+        linear_rows(row, kernels);
+      }
+      return;
+    }
+  }
+#endif
+  // chunks of whole tiles of weight rows (single rows on the fused path)
+  const int64_t cols = p.M <= kernels.fused_rows ? 1 : kernels.tile_cols;
+  const int64_t num_col_tiles = (p.N + cols - 1) / cols;
+  const int64_t chunk = quire::chunk_size(num_col_tiles, cols == 1 ? 16 : 4);
+  quire::parallel_chunks(0, num_col_tiles, chunk, [&](int64_t b, int64_t e) {
+    kernels.linear(p, b * cols, std::min(p.N, e * cols));
+  });
+}
+
 }  // namespace
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scale,
@@ -584,40 +634,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
 
   auto y = torch::empty({M, w.N}, x.options());
   const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  LinearProblem p{x32.data_ptr<float>(), M, w.K, w.N, w.bytes, w.row_bytes, w.row_scale,
-                  bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
-                  is_bf16 ? nullptr : y.data_ptr<float>(),
-                  is_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr};
-#ifdef QUIRE_QUANT_X86
-  // the calling thread's buffers for x rounded to int16 (the kernel's threads only read them)
-  thread_local std::vector<int16_t> x_values;
-  thread_local std::vector<float> x_scales;
-  thread_local std::vector<int8_t> x_bytes;
-  const int64_t groups = w.K / 32;
-  QuantizedX xq{};
-  PairedX xpairs{};
-  if (M == 1 && kernels.quantize_x != nullptr && groups > 0) {
-    x_values.resize(groups * 32);
-    x_scales.resize(2 * groups);
-    xq = {x_values.data(), x_scales.data(), x_scales.data() + groups};
-    if (kernels.quantize_x(p.x, 1, w.K, x_values.data(), x_scales.data(), x_scales.data() + groups)) {
-      p.xq = &xq;
-      if (kernels.pairs && groups >= 2) {
-        x_bytes.resize(groups / 2 * 128);
-        xpairs = {x_bytes.data(), x_bytes.data() + groups / 2 * 64, groups / 2};
-        pair_x_avx512(x_values.data(), xpairs.pairs, x_bytes.data(), x_bytes.data() + groups / 2 * 64);
-        p.xpairs = &xpairs;
-      }
-    }
-  }
-#endif
-  // chunks of whole tiles of weight rows (single rows on the fused path)
-  const int64_t cols = M <= kernels.fused_rows ? 1 : kernels.tile_cols;
-  const int64_t num_col_tiles = (w.N + cols - 1) / cols;
-  const int64_t chunk = quire::chunk_size(num_col_tiles, cols == 1 ? 16 : 4);
-  quire::parallel_chunks(0, num_col_tiles, chunk, [&](int64_t b, int64_t e) {
-    kernels.linear(p, b * cols, std::min(w.N, e * cols));
-  });
+  const LinearProblem p{x32.data_ptr<float>(), M, w.K, w.N, w.bytes, w.row_bytes, w.row_scale,
+                        bias32.has_value() ? bias32->data_ptr<float>() : nullptr,
+                        is_bf16 ? nullptr : y.data_ptr<float>(),
+                        is_bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr};
+  linear_rows(p, kernels);
   return y;
 }
 
