@@ -18,14 +18,8 @@ import statistics
 import sys
 import time
 
-PASSAGES = [
-    "The river runs through the old town, past the market square and the stone bridge, where fishermen wait "
-    "in the early morning for the boats to return with the day's catch.",
-    "To install the package, download the archive, unpack it into a folder of your choice, and run the setup "
-    "script from that folder with administrator rights.",
-    "Every spring the gardeners plant rows of tulips along the main avenue, and by April the whole street is "
-    "red, yellow and white from one end to the other.",
-]
+from quire.core.testing.passages import PASSAGES
+
 CODE = '''def mean(values):
     total = 0
     for value in values:

