@@ -72,8 +72,8 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     """How to run one step's batch; the same plan serves every layer.
 
     With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests, and each query of
-    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise
-    one-query requests are gathered and run through ``scaled_dot_product_attention``.
+    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise one-query requests are
+    gathered and run through ``scaled_dot_product_attention``.
     """
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     split = decode_kernel is not None
