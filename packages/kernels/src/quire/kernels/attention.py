@@ -19,10 +19,9 @@ import torch.nn.functional as F
 
 _MAX_DECODE_GROUPS = 4
 _MIN_DECODE_GROUP = 16
-# With a decode kernel, a request with at most this many queries after a cached prefix (a speculative
-# verification step, a short chunk) runs as that many one-query decodes, query j seeing the first
-# ``seq_len - query_len + j + 1`` tokens: the same causal attention, and a step of such requests stays on the
-# C++ decoder stack. A whole prompt, however short, keeps the prefill path.
+# With a decode kernel, a request with at most this many queries (a speculative verification step, a short
+# chunk) runs as that many one-query decodes, query j seeing the first ``seq_len - query_len + j + 1`` tokens:
+# the same causal attention, and a step of such requests stays on the C++ decoder stack.
 MAX_SPLIT_QUERY_LEN = 16
 
 
@@ -72,16 +71,14 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     """How to run one step's batch; the same plan serves every layer.
 
     With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests, and each query of
-    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise one-query requests are
+    requests with up to ``MAX_SPLIT_QUERY_LEN``, go to its ``paged_decode``; otherwise one-query requests are
     gathered and run through ``scaled_dot_product_attention``.
     """
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
-    split = decode_kernel is not None
-    is_decode = [n == 1 or (split and n <= MAX_SPLIT_QUERY_LEN and seq_lens[i] > n)
-                 for i, n in enumerate(query_lens)]
+    max_decode_len = MAX_SPLIT_QUERY_LEN if decode_kernel is not None else 1
     prefills = [_prefill_item(i, block_tables, seq_lens, query_start_loc, block_size)
-                for i, decode in enumerate(is_decode) if not decode]
-    decode_rows = [i for i, decode in enumerate(is_decode) if decode]
+                for i, n in enumerate(query_lens) if n > max_decode_len]
+    decode_rows = [i for i, n in enumerate(query_lens) if n <= max_decode_len]
     if decode_kernel is not None and decode_rows:
         fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, not prefills)
         return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel)
