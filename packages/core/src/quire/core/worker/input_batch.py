@@ -1,6 +1,8 @@
 """The persistent batch: one row of numpy state per request, changed only when requests join or leave.
 
 Rows are kept dense (``0 .. num_reqs - 1``): removing a request moves the last row into its place.
+Several requests leave in one canonical order (highest row first), so that every tensor-parallel rank, given
+the same set of finished requests, ends with the same rows whatever order its set iterates in.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ class InputBatch:
                                 (list(params.logit_bias), list(params.logit_bias.values())))
         self.num_logprobs[row] = params.logprobs
         self.num_prompt_logprobs[row] = params.prompt_logprobs
+
+    def remove_many(self, request_ids) -> None:
+        """Remove several requests (unknown ids are ignored); the rows left do not depend on the order of
+        ``request_ids``: a set of strings iterates in a different order in each process."""
+        rows = sorted((self.index[request_id] for request_id in request_ids if request_id in self.index),
+                      reverse=True)
+        for row in rows:  # highest first: the row moved into a freed place is never one still to remove
+            self.remove(self.req_ids[row])
 
     def remove(self, request_id: str) -> None:
         row = self.index.pop(request_id, None)

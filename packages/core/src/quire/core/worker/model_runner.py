@@ -249,8 +249,7 @@ class ModelRunner:
         return torch.get_num_threads()
 
     def remove_requests(self, request_ids) -> None:
-        for request_id in request_ids:
-            self.input_batch.remove(request_id)
+        self.input_batch.remove_many(request_ids)
         if self.encoder_outputs is not None:
             self.encoder_outputs.remove_requests(request_ids)
         if self.mrope is not None:
