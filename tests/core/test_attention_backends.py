@@ -89,9 +89,15 @@ def test_decode_stack_inputs_only_when_every_token_decodes():
     backend.prepare(decodes)
     tables, lens = backend.decode_stack_inputs(decodes)
     assert torch.equal(tables, decodes.block_tables) and lens.tolist() == [5, 9]
-    mixed = step_metadata([1, 3], [5, 9])
-    backend.prepare(mixed)
-    assert backend.decode_stack_inputs(mixed) is None
+    verification = step_metadata([1, 3], [5, 9])  # 3 queries after 6 cached tokens: one decode per query
+    backend.prepare(verification)
+    tables, lens = backend.decode_stack_inputs(verification)
+    assert lens.tolist() == [5, 7, 8, 9]
+    assert torch.equal(tables, verification.block_tables[[0, 1, 1, 1]])
+    for query_lens, seq_lens in (([1, 20], [5, 25]), ([1, 3], [5, 3])):  # a long chunk; a whole short prompt
+        mixed = step_metadata(query_lens, seq_lens)
+        backend.prepare(mixed)
+        assert backend.decode_stack_inputs(mixed) is None
     other = ModulesOnlyBackend()
     other.prepare(decodes)
     assert other.decode_stack_inputs(decodes) is None

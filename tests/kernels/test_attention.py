@@ -106,3 +106,21 @@ def test_pure_decode_batches_keep_token_order(num_requests, kernel):
     for i in range(num_requests):
         torch.testing.assert_close(out[i:i + 1], dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.3),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", DECODE_PATHS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_short_queries_match_dense(kernel, dtype, tol):
+    """A step of short queries only (speculative verification: 1 + k tokens per request), which the C++ path
+    runs as one decode per query, and the same beside a long prompt chunk."""
+    g = torch.Generator().manual_seed(3)
+    for seq_lens, query_lens in (([9, 23, 40, 5], [5, 1, 3, 5]), ([9, 30, 40], [5, 30, 16])):
+        kv, table, keys, values = write_requests(seq_lens, 64, 4, 2, 16, dtype, g)
+        queries = [torch.randn(n, 4, 16, generator=g).to(dtype) for n in query_lens]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        out = paged_attention(torch.cat(queries), kv[0], kv[1], table, seq_lens, starts, 0.25, kernel)
+        for i, q in enumerate(queries):
+            expected = dense_causal_attention(q, keys[i], values[i], 0.25)
+            torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)

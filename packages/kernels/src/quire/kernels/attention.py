@@ -19,6 +19,11 @@ import torch.nn.functional as F
 
 _MAX_DECODE_GROUPS = 4
 _MIN_DECODE_GROUP = 16
+# With a decode kernel, a request with at most this many queries after a cached prefix (a speculative
+# verification step, a short chunk) runs as that many one-query decodes, query j seeing the first
+# ``seq_len - query_len + j + 1`` tokens: the same causal attention, and a step of such requests stays on the
+# C++ decoder stack. A whole prompt, however short, keeps the prefill path.
+MAX_SPLIT_QUERY_LEN = 16
 
 
 @dataclasses.dataclass
@@ -34,11 +39,12 @@ class DecodeGroup:
 
 @dataclasses.dataclass
 class FusedDecode:
-    """Every one-query request, for a kernel that reads the paged cache in place (no padding, no copy)."""
+    """Every one-query decode (a request's single query, or each query of a short one), for a kernel that
+    reads the paged cache in place (no padding, no copy)."""
 
     token_rows: torch.Tensor | None  # [B] rows of the query/output tensors; None: all rows, in order
-    block_tables: torch.Tensor  # [B, max_blocks] int64
-    seq_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64: the block table of each query's request
+    seq_lens: torch.Tensor  # [B] int64: the tokens each query sees
 
 
 @dataclasses.dataclass
@@ -65,15 +71,19 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
                          block_size: int, decode_kernel=None) -> AttentionPlan:
     """How to run one step's batch; the same plan serves every layer.
 
-    With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests go to its
-    ``paged_decode``; otherwise they are gathered and run through ``scaled_dot_product_attention``.
+    With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests, and each query of
+    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise one-query requests are
+    gathered and run through ``scaled_dot_product_attention``.
     """
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    split = decode_kernel is not None
+    is_decode = [n == 1 or (split and n <= MAX_SPLIT_QUERY_LEN and seq_lens[i] > n)
+                 for i, n in enumerate(query_lens)]
     prefills = [_prefill_item(i, block_tables, seq_lens, query_start_loc, block_size)
-                for i, n in enumerate(query_lens) if n > 1]
-    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+                for i, decode in enumerate(is_decode) if not decode]
+    decode_rows = [i for i, decode in enumerate(is_decode) if decode]
     if decode_kernel is not None and decode_rows:
-        fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, len(query_lens))
+        fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, not prefills)
         return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel)
     # Decodes run together, padded to the longest context; requests of similar length are grouped so
     # that short ones do not pay for copying the long ones' padding.
@@ -123,13 +133,23 @@ def _split(items: list[int], num_groups: int) -> list[list[int]]:
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
-def _fused_decode(rows, block_tables, seq_lens, query_start_loc, num_requests) -> FusedDecode:
-    all_rows = len(rows) == num_requests  # every request decodes: query row i is request i
-    index = torch.tensor(rows, dtype=torch.int64)
+def _fused_decode(rows, block_tables, seq_lens, query_start_loc, all_rows: bool) -> FusedDecode:
+    """One decode per query of ``rows`` (``all_rows``: every request of the step, so every query row)."""
+    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in rows]
+    if all(n == 1 for n in query_lens):  # one query each: query row i of the step is request rows[i]
+        token_rows = [query_start_loc[i] for i in rows]
+        lens = [seq_lens[i] for i in rows]
+        tables = block_tables if all_rows else block_tables[torch.tensor(rows, dtype=torch.int64)]
+    else:
+        token_rows, lens = [], []
+        for i, n in zip(rows, query_lens):
+            token_rows.extend(range(query_start_loc[i], query_start_loc[i] + n))
+            lens.extend(range(seq_lens[i] - n + 1, seq_lens[i] + 1))
+        tables = block_tables[torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(query_lens))]
     return FusedDecode(
-        token_rows=None if all_rows else torch.tensor([query_start_loc[i] for i in rows], dtype=torch.int64),
-        block_tables=(block_tables if all_rows else block_tables[index]).to(torch.int64).contiguous(),
-        seq_lens=torch.tensor([seq_lens[i] for i in rows], dtype=torch.int64),
+        token_rows=None if all_rows else torch.tensor(token_rows, dtype=torch.int64),
+        block_tables=tables.to(torch.int64).contiguous(),
+        seq_lens=torch.tensor(lens, dtype=torch.int64),
     )
 
 
