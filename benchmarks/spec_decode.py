@@ -27,9 +27,15 @@ CODE = '''def mean(values):
     return total / len(values)
 '''
 REPEAT = [f"Repeat this passage exactly, word for word:\n\n{passage}" for passage in PASSAGES]
+# The first two ask for edits this 135M model does not carry out (it writes new text instead: these behave
+# like open-ended prompts); the other two it does (it fixes one of the two misspellings and comments after;
+# it copies the passage, leaving "river" in place).
 EDIT = [
     f"Rename the function to average and keep everything else the same:\n\n{CODE}",
     f"Rewrite this passage in the past tense:\n\n{PASSAGES[2]}",
+    "Correct the spelling mistakes in this passage and write out the whole corrected passage:\n\n"
+    + PASSAGES[0].replace("market", "markett").replace("bridge", "bridje"),
+    f"Replace the word \"river\" with \"canal\" in this passage and write out the result:\n\n{PASSAGES[0]}",
 ]
 OPEN_ENDED = [
     "Write a short story about a dragon who learns to cook.",
@@ -66,13 +72,23 @@ def main() -> None:
           flush=True)
     totals = {}  # per set and engine: output tokens and seconds of every round
     for label, prompts in (("repeat a passage", REPEAT), ("edit a passage", EDIT), ("open-ended", OPEN_ENDED)):
+        print(f"\n{label}:", flush=True)
         messages = [[{"role": "user", "content": prompt}] for prompt in prompts]
         rates = {name: [] for name in engines}
         outputs = {}
         counts_before = _counts(engines["ngram"])
         steps = {name: 0 for name in engines}
         for name, llm in engines.items():  # warm-up (and the outputs to compare)
-            outputs[name] = [_chat(llm, m, params)[0] for m in messages]
+            outputs[name] = []
+            for number, m in enumerate(messages):
+                before = _counts(llm) + (llm.llm_engine.engine_core.engine_core.num_steps,)
+                outputs[name].append(_chat(llm, m, params)[0])
+                if name == "ngram":  # what each prompt does with speculation (counted, first run)
+                    drafts, _, accepted, steps_taken = (a - b for a, b in zip(
+                        _counts(llm) + (llm.llm_engine.engine_core.engine_core.num_steps,), before))
+                    print(f"  prompt {number + 1}: {len(outputs[name][-1])} tokens, "
+                          f"{steps_taken / len(outputs[name][-1]):.2f} forward passes per token, "
+                          f"{accepted / max(drafts, 1):.2f} proposals accepted per step", flush=True)
         for _ in range(args.rounds):
             for name, llm in engines.items():
                 core = llm.llm_engine.engine_core.engine_core
@@ -90,7 +106,7 @@ def main() -> None:
         drafts, draft_tokens, accepted = (after - before for after, before in zip(_counts(engines["ngram"]),
                                                                                    counts_before))
         plain, ngram = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-        print(f"\n{label}: {len(prompts)} prompts, {num_output_tokens // args.rounds} output tokens per round, "
+        print(f"{label}: {len(prompts)} prompts, {num_output_tokens // args.rounds} output tokens per round, "
               f"{args.rounds} rounds")
         print(f"  plain decoding   {plain:7.1f} tokens/s (median), {steps['plain'] / num_output_tokens:.2f} "
               "forward passes per output token")
