@@ -33,7 +33,8 @@ def child_pids(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    """``python -m quire.openai_server`` with the given arguments, up until ``stop()``."""
+    """``python -m quire.openai_server`` with the given arguments, up until ``stop()`` (which removes its log:
+    a server that fails to start puts the log's tail in the error instead)."""
 
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
@@ -50,7 +51,9 @@ class ServerProcess:
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited during start-up:\n{self.log.read_text()[-3000:]}")
+                tail = self.log.read_text()[-3000:]
+                self.stop()
+                raise RuntimeError(f"the server exited during start-up:\n{tail}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
                     return
@@ -72,6 +75,7 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self._log_file.close()
+        self.log.unlink(missing_ok=True)
         return self.process.returncode
 
     def url(self, path: str) -> str:
