@@ -20,3 +20,16 @@ def reference_greedy(model, prompt: list[int], num_tokens: int, process=None) ->
             logits = process(logits.clone(), prompt, output)
         output.append(int(logits.argmax()))
     return output
+
+
+def hf_greedy_with_margins(model, prompts: list[list[int]], num_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: transformers' greedy ids (exactly ``num_tokens``: no EOS stop) and, at each step, the top-1
+    minus top-2 logprob (how far float noise is from flipping the argmax)."""
+    model.generation_config.eos_token_id = None
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        top2 = torch.stack(out.scores)[:, 0].float().log_softmax(-1).topk(2, dim=-1).values
+        results.append((out.sequences[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
+    return results

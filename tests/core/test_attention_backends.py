@@ -34,8 +34,8 @@ class ModulesOnlyBackend(AttentionBackend):
     def prepare(self, metadata):
         self.inner.prepare(metadata)
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
-        return self.inner.forward(query, key, value, kv_cache, metadata, scale)
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None):
+        return self.inner.forward(query, key, value, kv_cache, metadata, scale, sliding_window)
 
 
 def step_metadata(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
@@ -53,10 +53,10 @@ def step_metadata(query_lens: list[int], seq_lens: list[int]) -> AttentionMetada
 def test_declared_capabilities():
     torch_backend = get_attention_backend("torch")
     assert torch_backend("bfloat16", "cpu").capabilities == AttentionCapabilities(
-        cpu_decode_stack=cpu_extension.load() is not None)
+        cpu_decode_stack=cpu_extension.load() is not None, supports_sliding_window=True)
     assert not torch_backend("float16", "cpu").capabilities.cpu_decode_stack  # no C++ decode kernel for it
     triton = get_attention_backend("triton")("float32", "cpu")  # Triton's interpreter on CPUs
-    assert triton.capabilities == AttentionCapabilities(supports_cuda_graphs=True)
+    assert triton.capabilities == AttentionCapabilities(supports_cuda_graphs=True, supports_sliding_window=True)
     with pytest.raises(NotImplementedError, match="CUDA graphs"):
         torch_backend("float32", "cpu").graph_decode_plan(*[torch.zeros(1)] * 4, 16)
 

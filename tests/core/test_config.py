@@ -65,9 +65,11 @@ def test_dtype_and_max_model_len_choices(tmp_path):
         ModelConfig.from_hf(folder, max_model_len=513)
 
 
-def test_mistral_sliding_window_caps_the_context(tmp_path):
+def test_mistral_sliding_window_is_read_and_no_longer_caps_the_context(tmp_path):
     folder = write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=256)
-    assert ModelConfig.from_hf(folder).max_model_len == 256
+    config = ModelConfig.from_hf(folder)
+    assert config.max_model_len == 512 and config.sliding_window == 256
+    assert config.layer_sliding_window(0) == config.layer_sliding_window(1) == 256
 
 
 def test_clear_errors_for_unusable_checkpoints(tmp_path):

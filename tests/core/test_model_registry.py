@@ -47,7 +47,8 @@ def test_model_type_names_the_architecture_when_none_is_listed(tiny_checkpoint, 
 def test_unknown_architecture_is_refused_clearly(llama_checkpoint, tmp_path):
     hf = json.loads((llama_checkpoint / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": ["GemmaForCausalLM"]}))
-    with pytest.raises(ConfigError, match="'GemmaForCausalLM' is not supported; supported: LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match="'GemmaForCausalLM' is not supported; supported: "
+                                          "BertModel, Gemma3ForCausalLM, LlamaForCausalLM"):
         ModelConfig.from_hf(tmp_path)
     with pytest.raises(ConfigError, match="GemmaForCausalLM"):
         check_architecture("GemmaForCausalLM")
@@ -80,7 +81,13 @@ def test_registry_and_config_import_no_torch_and_classes_load_lazily():
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert supported_architectures() == sorted([*ARCHITECTURES, "LlavaForConditionalGeneration",
-                                                "Qwen2_5_VLForConditionalGeneration"])
-    assert {get_model_class(name).__name__ for name in ARCHITECTURES} == {"LlamaForCausalLM"}
+                                                "Qwen2_5_VLForConditionalGeneration", "Phi3ForCausalLM",
+                                                "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                                                "BertModel"])
+    assert {get_model_class(name).__name__ for name in [*ARCHITECTURES, "Phi3ForCausalLM"]} == {"LlamaForCausalLM"}
     assert get_model_class("LlavaForConditionalGeneration").__name__ == "LlavaForConditionalGeneration"
+    assert get_model_class("Gemma3ForCausalLM").__name__ == "Gemma3ForCausalLM"
+    assert get_model_class("BertModel").__name__ == "BertModel"
     assert get_model_class("Qwen2_5_VLForConditionalGeneration").__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert {get_model_class(name).__name__ for name in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")} == {
+        "MoeForCausalLM"}

@@ -53,14 +53,14 @@ def greedy_params():
     return SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
 
-def run_quire(checkpoint, dtype, prompts, mode, **engine_options):
-    kwargs = dict(dtype=dtype, max_model_len=MAX_MODEL_LEN, **engine_options)
+def run_quire(checkpoint, dtype, prompts, mode, max_model_len=MAX_MODEL_LEN, **engine_options):
+    kwargs = dict(dtype=dtype, max_model_len=max_model_len, **engine_options)
     if mode == "chunked":
         kwargs["max_num_batched_tokens"] = 64
     if mode == "preempted":
-        # the least that is allowed: one full-length sequence (21 blocks of 16) and the null block
+        # the least that is allowed: one full-length sequence (21 blocks of 16 by default) and the null block
         bytes_per_block = ModelConfig.from_hf(checkpoint, dtype).kv_bytes_per_token * 16
-        kwargs["kv_cache_memory"] = bytes_per_block * (MAX_MODEL_LEN // 16 + 1)
+        kwargs["kv_cache_memory"] = bytes_per_block * (max_model_len // 16 + 1)
     llm = LLM(checkpoint, **kwargs)
     if mode == "alone":
         outputs = [llm.generate([p], greedy_params(), use_tqdm=False)[0] for p in prompts]

@@ -11,14 +11,18 @@ CPU_KERNELS = cpu_extension.load()
 DECODE_PATHS = [pytest.param(None, id="torch"), pytest.param(CPU_KERNELS, id="cpu-kernel")]
 
 
-def dense_causal_attention(q, k, v, scale):
-    """Reference: q [Lq, Hq, D] at the last Lq positions of k/v [Lk, Hk, D]."""
+def dense_causal_attention(q, k, v, scale, sliding_window=None):
+    """Reference: q [Lq, Hq, D] at the last Lq positions of k/v [Lk, Hk, D]; with a ``sliding_window`` W, the
+    query at position p sees keys at p - W + 1 .. p only."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1).float()
     v = v.repeat_interleave(groups, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     offset = k.shape[0] - q.shape[0]
-    allowed = torch.arange(k.shape[0])[None, :] <= (torch.arange(q.shape[0])[:, None] + offset)
+    key_positions, query_positions = torch.arange(k.shape[0])[None, :], torch.arange(q.shape[0])[:, None] + offset
+    allowed = key_positions <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -124,3 +128,68 @@ def test_short_queries_match_dense(kernel, dtype, tol):
         for i, q in enumerate(queries):
             expected = dense_causal_attention(q, keys[i], values[i], 0.25)
             torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)
+
+
+def poison_blocks_outside_windows(kv, table, seq_lens, query_lens, block_size, window):
+    """Fill with NaN every block wholly before the window of a request's first query (a block the KV-cache
+    manager may have released to another request): reading one, even masked out, makes the output NaN."""
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        num_outside = max(0, seq_len - query_len - window + 1) // block_size
+        kv[:, table[i, :num_outside]] = float("nan")
+
+
+def flat_batch(query_lens, num_heads, head_dim, dtype, g):
+    queries = [torch.randn(n, num_heads, head_dim, generator=g).to(dtype) for n in query_lens]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return queries, starts
+
+
+@pytest.mark.parametrize("kernel", DECODE_PATHS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [1, 5, 8, 16, 64])
+def test_sliding_window_mixed_batch_matches_dense(kernel, dtype, tol, window):
+    """Decodes, a whole prompt and chunks over a cached prefix, each query seeing only its last ``window``
+    keys, without reading the blocks before the window (poisoned here); 64 is wider than every request."""
+    g = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 16
+    seq_lens = [1, 9, 23, 40, 17, 5, 60]
+    query_lens = [1, 1, 23, 7, 1, 3, 20]  # 23: a whole prompt; 7, 3 and 20: chunks after a cached prefix
+    kv, table, keys, values = write_requests(seq_lens, 80, block_size, num_kv_heads, head_dim, dtype, g)
+    poison_blocks_outside_windows(kv, table, seq_lens, query_lens, block_size, window)
+    queries, starts = flat_batch(query_lens, num_heads, head_dim, dtype, g)
+    out = paged_attention(torch.cat(queries), kv[0], kv[1], table, seq_lens, starts, 0.25, kernel,
+                          sliding_window=window)
+    for i, q in enumerate(queries):
+        expected = dense_causal_attention(q, keys[i], values[i], 0.25, sliding_window=window)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_requests", [5, 40])  # one decode group, and several (sorted by length)
+@pytest.mark.parametrize("window", [3, 16, 33])
+def test_sliding_window_decodes_match_dense(num_requests, window):
+    """Pure decode steps: each request reads its window's blocks only, padded to the widest span."""
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [int(n) for n in torch.randint(1, 120, (num_requests,), generator=g)]
+    kv, table, keys, values = write_requests(seq_lens, 1500, 8, 2, 16, torch.float32, g)
+    poison_blocks_outside_windows(kv, table, seq_lens, [1] * num_requests, 8, window)
+    query = torch.randn(num_requests, 4, 16, generator=g)
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(num_requests + 1)), 0.25, CPU_KERNELS,
+                          sliding_window=window)
+    for i in range(num_requests):
+        expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.25, sliding_window=window)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_prefill_after_a_cached_prefix_reads_from_the_window_on():
+    """A chunk of 10 queries after 50 cached tokens, window 12, blocks of 4: the first query (position 50) sees
+    39..50, so blocks 0-8 (positions 0..35) are never read, and block 9 (36..39) is read but masked in part."""
+    g = torch.Generator().manual_seed(17)
+    kv, table, keys, values = write_requests([60], 20, 4, 1, 8, torch.float32, g)
+    kv[:, table[0, :9]] = float("nan")
+    kv[:, table[0, 9], :3] = 1e4  # positions 36..38: read, but outside every window
+    query = torch.randn(10, 2, 8, generator=g)
+    out = paged_attention(query, kv[0], kv[1], table, [60], [0, 10], 0.3, sliding_window=12)
+    expected = dense_causal_attention(query, keys[0], values[0], 0.3, sliding_window=12)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

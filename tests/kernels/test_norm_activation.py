@@ -1,13 +1,22 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.activations import GELUTanh
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from quire.kernels import cpu_extension
-from quire.kernels.activation import silu_and_mul, silu_and_mul_reference
+from quire.kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 from quire.kernels.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
+    offset_rms_norm,
+    offset_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
 )
@@ -35,6 +44,17 @@ def test_fused_add_rms_norm_reference_adds_then_normalises(dtype):
     out, new_residual = fused_add_rms_norm_reference(x, residual, weight, 1e-5)
     torch.testing.assert_close(new_residual, residual + x, rtol=0, atol=0)
     torch.testing.assert_close(out, rms_norm_reference(residual + x, weight, 1e-5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rms_norm_reference_matches_transformers_gemma3_bitwise(dtype):
+    torch.manual_seed(5)
+    x = torch.randn(7, 3, 64, dtype=dtype) * 3
+    hf = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.normal_(0.0, 0.5)  # stored centred on 0: the norm scales by 1 + weight
+    hf = hf.to(dtype)
+    torch.testing.assert_close(offset_rms_norm_reference(x, hf.weight, 1e-6), hf(x), rtol=0, atol=0)
 
 
 # The C++ kernels against the references: bfloat16 results are the same numbers (the kernels round
@@ -75,6 +95,25 @@ def test_cpu_kernel_silu_and_mul_matches_the_reference(dtype):
     # activation were enough to flip a bfloat16 model's token against transformers)
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rms_norm_matches_the_reference(dtype):
+    """The ``rms_norm`` kernel on float32 inputs, rounded once at the end: bfloat16 results are the same numbers."""
+    torch.manual_seed(6)
+    x = torch.randn(33, 4, 96).to(dtype)[:, 1:3]  # strided, like q/k heads cut from a fused projection
+    weight = (0.3 * torch.randn(96)).to(dtype)
+    torch.testing.assert_close(offset_rms_norm(x, weight, 1e-6), offset_rms_norm_reference(x, weight, 1e-6),
+                               **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_matches_transformers_gemma_mlp(dtype):
+    torch.manual_seed(7)
+    x = (torch.randn(9, 2 * 40) * 3).to(dtype)
+    expected = GELUTanh()(x[..., :40]) * x[..., 40:]
+    torch.testing.assert_close(gelu_tanh_and_mul_reference(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(gelu_tanh_and_mul(x), expected, rtol=0, atol=0)
 
 
 def test_silu_and_mul_reference():

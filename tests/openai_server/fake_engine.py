@@ -16,6 +16,7 @@ from quire.core.config import ModelConfig
 from quire.core.engine.input_processor import InputProcessor
 from quire.core.engine.protocol import OutputStream, StatLogger
 from quire.core.errors import EngineDeadError, EngineUtilityError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import CompletionOutput, EngineMetrics, RequestOutput
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
@@ -111,19 +112,21 @@ class FakeEngineClient:
     # -- EngineClient
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None, data_parallel_rank: int | None = None) -> OutputStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None,
+                          lora_request: LoRARequest | None = None) -> OutputStream:
         self.check_health()
         request, text = self._input_processor.process(request_id, prompt, params, arrival_time, priority,
-                                                      cache_salt, data_parallel_rank)
+                                                      cache_salt, data_parallel_rank, lora_request)
         self.check_admission(params.n, len(request.prompt_token_ids))
         self._in_flight.add(request_id)
         return FakeStream(self, request_id, request.prompt_token_ids, text, request.sampling_params)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *, priority: int = 0,
                        cache_salt: str | None = None, timeout: float | None = None,
-                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                       data_parallel_rank: int | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                        data_parallel_rank=data_parallel_rank)
+                                        data_parallel_rank=data_parallel_rank, lora_request=lora_request)
         async for output in stream:
             yield output
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quire.kernels.triton_ops import attention
-from tests.kernels.test_attention import dense_causal_attention, write_requests
+from tests.kernels.test_attention import dense_causal_attention, poison_blocks_outside_windows, write_requests
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -22,10 +22,10 @@ def cache_for(seq_lens, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
     return write_requests(seq_lens, num_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
 
 
-def expected_rows(query, keys, values, query_lens, scale):
+def expected_rows(query, keys, values, query_lens, scale, sliding_window=None):
     rows, start = [], 0
     for k, v, n in zip(keys, values, query_lens):
-        rows.append(dense_causal_attention(query[start:start + n].cpu(), k, v, scale))
+        rows.append(dense_causal_attention(query[start:start + n].cpu(), k, v, scale, sliding_window))
         start += n
     return torch.cat(rows)
 
@@ -83,4 +83,42 @@ def test_paged_prefill_over_cached_prefix(dtype, heads, batch, device):
                                   torch.tensor(seq_lens).to(device), query_start_loc.to(device), scale,
                                   max(query_lens))
     expected = expected_rows(query, keys, values, query_lens, scale)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [7, 40, 600])
+def test_paged_decode_sliding_window(dtype, window, device):
+    """Each request reads only its last ``window`` tokens (the blocks before them are poisoned), split in
+    partitions as the window allows; 600 is wider than every context but one."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    seq_lens = [5, 640, 70, 41]
+    kv, tables, keys, values = cache_for(seq_lens, num_kv_heads, head_dim, dtype)
+    poison_blocks_outside_windows(kv, tables, seq_lens, [1] * len(seq_lens), 16, window)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = head_dim**-0.5
+    out = attention.paged_decode(query.to(device), kv[0].to(device), kv[1].to(device), tables.to(device),
+                                 torch.tensor(seq_lens).to(device), scale, 1500, sliding_window=window)
+    expected = expected_rows(query, keys, values, [1] * len(seq_lens), scale, window)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [5, 24, 100])
+def test_paged_prefill_sliding_window(dtype, window, device):
+    """Whole prompts of several tiles, chunks over a cached prefix and a decode, each query seeing its last
+    ``window`` keys; the blocks before each request's first window are poisoned."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    batch = [(0, 90), (50, 40), (30, 1), (100, 7)]  # (cached tokens, new queries)
+    seq_lens = [context + n for context, n in batch]
+    query_lens = [n for _, n in batch]
+    kv, tables, keys, values = cache_for(seq_lens, num_kv_heads, head_dim, dtype, seed=6)
+    poison_blocks_outside_windows(kv, tables, seq_lens, query_lens, 16, window)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+    query_start_loc = torch.tensor([0] + query_lens).cumsum(0)
+    scale = head_dim**-0.5
+    out = attention.paged_prefill(query.to(device), kv[0].to(device), kv[1].to(device), tables.to(device),
+                                  torch.tensor(seq_lens).to(device), query_start_loc.to(device), scale,
+                                  max(query_lens), sliding_window=window)
+    expected = expected_rows(query, keys, values, query_lens, scale, window)
     torch.testing.assert_close(out.float().cpu(), expected, atol=TOLERANCE[dtype], rtol=0)

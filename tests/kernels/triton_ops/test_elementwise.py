@@ -47,19 +47,21 @@ def test_rms_norm_with_and_without_residual(dtype, hidden, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_on_strided_query_and_key(dtype, device):
+@pytest.mark.parametrize("rotary_dim", [32, 24])  # whole heads, and the leading dimensions partial rotary turns
+def test_rotary_on_strided_query_and_key(dtype, rotary_dim, device):
     num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 32
     # query and key are views of one fused projection, as in the model
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=4)
-    query = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    key = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    table = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
+    query = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)[..., :rotary_dim]
+    key = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim)[..., :rotary_dim]
+    table = rope_cos_sin(rope_inv_freq(rotary_dim, 10000.0), 64)
     positions = torch.tensor([0, 3, 17, 18, 63])
     cos, sin = rotary_factors(positions, table, dtype)
     out_q, out_k = elementwise.rotate(query, key, cos.to(device), sin.to(device))
     expected_q, expected_k = rotate_reference(query.cpu(), key.cpu(), cos, sin)
     for out, x, expected in ((out_q, query.cpu(), expected_q), (out_k, key.cpu(), expected_k)):
-        half = head_dim // 2
+        half = rotary_dim // 2
         # the magnitude of the two rounded products that each output sums
         factors = (cos.float().abs() + sin.float().abs())[:, None]
         bound = (x[..., :half].float().abs() + x[..., half:].float().abs()) * factors

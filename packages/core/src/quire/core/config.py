@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters (``rope_type`` is one of default, linear, llama3)."""
+    """Rotary embedding parameters (``rope_type`` is one of default, linear, llama3, longrope)."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -33,6 +34,17 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): each frequency's divisor within the original context and beyond it (which list a
+    # model uses: ``quire.kernels.rotary.rope_inv_freq``), and the factor cos and sin are scaled by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    # The leading fraction of each head that rotates (Phi-4-mini: 0.75); the rest passes through.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's dimensions rotate (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,21 @@ class ModelConfig:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False
+    # Mixtures of experts (0 experts: a dense model): each token runs ``num_experts_per_tok`` of ``num_experts``
+    # gated MLPs of width ``moe_intermediate_size``, weighted by the router's softmax over the chosen ones
+    # (renormalised to sum to 1 if ``norm_topk_prob``); the layers in ``dense_mlp_layers`` keep one dense MLP of
+    # width ``intermediate_size`` instead.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
+    # Gemma 3: attention scores scale by ``query_pre_attn_scalar ** -0.5`` (None: ``head_dim ** -0.5``); logits
+    # become ``tanh(logits / cap) * cap`` with ``final_logit_softcapping`` = cap (None: left as computed);
+    # sliding-window layers rotate by default rope of base ``local_rope_theta`` (None: by ``rope``, like the rest).
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # Sampling defaults from generation_config.json (temperature, top_p, top_k, min_p,
@@ -70,10 +97,48 @@ class ModelConfig:
     # registry entry reads them from config.json.
     image_token_id: int | None = None
     multimodal_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Sliding-window attention: a query at position p of a windowed layer sees the keys at positions
+    # p - sliding_window + 1 .. p (transformers' ``sliding_window_causal_mask_function``). ``layer_types`` names
+    # each layer's kind ("full_attention" or "sliding_attention", as transformers' configs do); empty: every
+    # layer is windowed when ``sliding_window`` is set.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Encoders (BERT) attend both ways (``is_causal`` False): every token sees every token of its own request, so
+    # a request's whole prompt runs in one step, keeps no KV cache and is pooled, never sampled. Their LayerNorm
+    # epsilon, number of token types (segments A/B) and MLP activation ("gelu": exact erf; "gelu_tanh": the tanh
+    # approximation; "relu") come from config.json.
+    is_causal: bool = True
+    layer_norm_eps: float = 1e-12
+    num_token_types: int = 0
+    encoder_activation: str = "gelu"
 
     @property
     def is_multimodal(self) -> bool:
         return self.image_token_id is not None
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window of layer ``layer_index``, or None where it sees every earlier token (also when the
+        window is at least ``max_model_len``, so never slides)."""
+        window = self.sliding_window
+        if window is None or window >= self.max_model_len:
+            return None
+        if self.layer_types and self.layer_types[layer_index] != "sliding_attention":
+            return None
+        return window
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Some layer attends within a window."""
+        return any(self.layer_sliding_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def kv_cache_sliding_window(self) -> int | None:
+        """The window every layer keeps within (the widest), or None when some layer sees every token: only
+        then may the KV cache drop the blocks a request's next token no longer sees."""
+        windows = [self.layer_sliding_window(i) for i in range(self.num_hidden_layers)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
 
     @property
     def is_gguf(self) -> bool:
@@ -120,7 +185,7 @@ class ModelConfig:
         entry = get_model_entry(architecture)
         architecture_fields = entry.config_fields(hf)
         if entry.text_config is not None:
-            # a vision-language config: the language model's fields live in text_config
+            # the language model's fields as the entry completes them (a vision-language config nests them)
             hf = {**hf, **entry.text_config(hf)}
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -189,26 +254,61 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
         params = dict(hf.get("rope_scaling") or {})
         params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su":  # longrope's name in the first Phi-3 configs
+        rope_type = "longrope"
     defaults = RopeConfig()
-    return RopeConfig(
+    # a top-level original_max_position_embeddings (where Phi-3 keeps it) wins, as in transformers
+    original_max = int(hf.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", defaults.original_max_position_embeddings))
+    partial_rotary_factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rope = RopeConfig(
         theta=float(params.get("rope_theta", defaults.theta)),
         rope_type=rope_type,
         factor=float(params.get("factor", defaults.factor)),
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
-        ),
+        original_max_position_embeddings=original_max,
+        partial_rotary_factor=partial_rotary_factor,
+        **(_longrope_fields(hf, params, original_max) if rope_type == "longrope" else {}),
     )
+    _check_rotary_dims(hf, rope)
+    return rope
+
+
+def _longrope_fields(hf: dict[str, Any], params: dict[str, Any], original_max: int) -> dict[str, Any]:
+    """The factor lists, and ``attention_factor`` where a config leaves it out: sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)) for a ``factor`` (by default max_position_embeddings over the original
+    context) above 1, else 1 (transformers' ``_compute_longrope_parameters``)."""
+    fields: dict[str, Any] = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or not all(
+                isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+            raise ConfigError(f"rope_parameters.{key} must be a list of numbers for longrope, got {values!r}")
+        fields[key] = tuple(float(value) for value in values)
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(hf.get("max_position_embeddings", 2048)) / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original_max)) if factor > 1.0 else 1.0
+    return {**fields, "attention_factor": float(attention_factor)}
+
+
+def _check_rotary_dims(hf: dict[str, Any], rope: RopeConfig) -> None:
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    rotary_dim = rope.rotary_dim(head_dim)
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ConfigError(f"partial_rotary_factor {rope.partial_rotary_factor} leaves {rotary_dim} of the "
+                          f"{head_dim} head dimensions to rotate; that must be a positive even number")
+    for key in ("short_factor", "long_factor") if rope.rope_type == "longrope" else ():
+        if len(getattr(rope, key)) != rotary_dim // 2:
+            raise ConfigError(f"rope_parameters.{key} must have one entry per rotary frequency "
+                              f"({rotary_dim // 2}), got {len(getattr(rope, key))}")
 
 
 def _max_model_len(hf: dict[str, Any], max_positions: int, requested: int | None) -> int:
     limit = max_positions
-    window = hf.get("sliding_window")
-    if window and (hf.get("use_sliding_window", True)) and window < limit:
-        # Sliding-window attention is not implemented: cap the context so the window never slides.
-        logger.warning("sliding-window attention is not supported; capping max_model_len at %d", window)
-        limit = int(window)
     if requested is None:
         return limit
     if requested < 1:
@@ -412,6 +512,17 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (``enable_lora``): at most ``max_loras`` distinct adapters run in one step, each held in
+    one of as many slots of the model's LoRA layers (least recently used evicted); ``max_cpu_loras`` loaded
+    adapters are kept in host memory for reuse; an adapter's rank may be at most ``max_lora_rank``."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine core needs, built once by ``EngineArgs.create_engine_config``."""
 
@@ -438,6 +549,7 @@ class EngineConfig:
     multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    lora: LoRAConfig | None = None  # LoRA adapters (None: off)
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """This config as engine ``rank`` of its data-parallel group receives it."""

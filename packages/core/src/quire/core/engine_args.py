@@ -18,6 +18,7 @@ from typing import Any
 from quire.core.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     MultiModalConfig,
     ParallelConfig,
@@ -34,6 +35,7 @@ from quire.core.parsers.tool_calls import TOOL_PARSERS
 _SCHEDULER = SchedulerConfig()
 _CACHE = CacheConfig()
 _MULTIMODAL = MultiModalConfig()
+_LORA = LoRAConfig()
 MODALITIES = ("image", "video", "audio")
 
 
@@ -194,6 +196,12 @@ class EngineArgs:
         None, "Speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup: proposals copied from the "
               "request's own tokens, verified by the model in one step).", parse=parse_json_object, metavar="JSON")
+    enable_lora: bool = option(False, "Serve LoRA adapters (PEFT folders) beside the base model; a request "
+                                      "names the adapter it runs with.")
+    max_loras: int = option(_LORA.max_loras, "Most distinct LoRA adapters in one engine step.")
+    max_lora_rank: int = option(_LORA.max_lora_rank, "Highest rank a LoRA adapter may have.")
+    max_cpu_loras: int | None = option(None, "Loaded LoRA adapters kept in host memory for reuse (default: "
+                                             "max_loras).")
     limit_mm_per_prompt: dict[str, int] | None = option(
         None, "Most images (or other items) in one prompt, as JSON: '{\"image\": 2}' (default: 999 images).",
         parse=parse_modality_limits, metavar="JSON")
@@ -250,6 +258,9 @@ class EngineArgs:
             model_path = str(builtin_model(self.model) or self.model)
         model = ModelConfig.from_path(model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                       quantization=self.quantization)
+        if not model.is_causal:
+            raise ConfigError(f"{model.architecture} is an encoder (bidirectional attention, for embeddings): the "
+                              "engine generates with causal models only for now")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model)
         kv_cache_memory = None if self.kv_cache_memory is None else parse_byte_size(self.kv_cache_memory)
@@ -278,6 +289,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             multimodal=self._multimodal_config(),
             speculative=self._speculative_config(model),
+            lora=self._lora_config(model),
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
                                     data_parallel_rank=self.data_parallel_start_rank,
                                     tensor_parallel_size=self.tensor_parallel_size,
@@ -317,6 +329,23 @@ class EngineArgs:
             raise ConfigError(f"tensor_parallel_size {size} must divide the attention heads "
                               f"({model.num_attention_heads}) and intermediate size ({model.intermediate_size}), "
                               f"and divide or be a multiple of the KV heads ({kv_heads})")
+
+    def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if config.max_loras < 1 or config.max_lora_rank < 1:
+            raise ConfigError("max_loras and max_lora_rank must be at least 1")
+        if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+            raise ConfigError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras "
+                              f"({config.max_loras})")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora runs with tensor_parallel_size 1 for now")
+        entry = get_model_entry(model.architecture)
+        if (entry.module_name, entry.class_name) != ("quire.core.models.llama", "LlamaForCausalLM"):
+            raise ConfigError(f"enable_lora: LoRA adapters apply to Llama-shaped models (Llama, Mistral, Qwen2, "
+                              f"Qwen3), not {model.architecture}")
+        return config
 
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
         if self.speculative_config is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from quire.core.lora.request import LoRARequest
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import EngineCoreEvent, EventType, FinishReason, MultiModalFeature
 
@@ -54,6 +55,7 @@ class Request:
         cache_salt: str | None = None,
         bad_words_token_ids: list[list[int]] = (),
         mm_features: list[MultiModalFeature] | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +66,7 @@ class Request:
         # Images of the prompt, in prompt order: their placeholder tokens take the encoder's outputs.
         self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         self.arrival_time = arrival_time
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         self.priority = priority
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

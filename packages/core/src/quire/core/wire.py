@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from quire.core.lora.request import LoRARequest
 from quire.core.sampling_params import SamplingParams
 
 
@@ -85,6 +86,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     mm_features: list[MultiModalFeature] | None = None
     # With several engine cores: the one that must run this request (None: the least loaded).
     data_parallel_rank: int | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -181,6 +184,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA (max_loras 0: off): the adapters of the running and of the waiting requests, by name.
+    max_loras: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -3,11 +3,15 @@
 A batch is flat: the queries of request ``i`` are rows ``query_start_loc[i]:query_start_loc[i+1]`` of
 ``query``; the request has ``seq_lens[i]`` tokens in the cache (its cached prefix plus these queries, whose
 keys and values were already written), stored in the blocks listed in ``block_tables[i]``. Query ``j`` of a
-request sits at position ``seq_len - query_len + j`` and attends causally to every cached token up to it.
+request sits at position ``seq_len - query_len + j`` and attends causally to every cached token up to it, or,
+in a layer with a sliding window ``W``, to the last ``W`` of them (positions ``p - W + 1 .. p`` for a query at
+``p``, as transformers' ``sliding_window_causal_mask_function``). A windowed plan reads only the blocks that
+hold keys inside some query's window: the blocks before them may have been freed and handed to other requests.
 
 The work is split in two: ``plan_paged_attention`` decides, once per step, how to run the batch (which
 requests decode together, their masks, which blocks each reads), and ``run_paged_attention`` runs that plan
-for one layer. ``paged_attention`` does both and is the reference the other kernels are checked against.
+for one layer (a model with windowed layers plans once per distinct window). ``paged_attention`` does both and
+is the reference the other kernels are checked against.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ class PrefillItem:
     end: int
     block_ids: torch.Tensor  # [num_blocks]
     seq_len: int
-    mask: torch.Tensor | None  # [query_len, seq_len]; None when there is no cached prefix (plain causal)
+    # [query_len, seq_len - key_offset]; None when there is no cached prefix and no window (plain causal)
+    mask: torch.Tensor | None
+    key_offset: int = 0  # position of the first key read: the start of the first block inside the window
 
 
 @dataclasses.dataclass
@@ -65,21 +71,27 @@ class AttentionPlan:
     num_tokens: int
     fused_decode: FusedDecode | None = None
     decode_kernel: object = None  # the module whose paged_decode runs fused_decode
+    # The plans of this step's windowed layers, by window, built by the backend on first use.
+    windowed_plans: dict[int, AttentionPlan] = dataclasses.field(default_factory=dict)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
-                         block_size: int, decode_kernel=None) -> AttentionPlan:
-    """How to run one step's batch; the same plan serves every layer.
+                         block_size: int, decode_kernel=None, sliding_window: int | None = None) -> AttentionPlan:
+    """How to run one step's batch; the same plan serves every layer (with the same ``sliding_window``).
 
     With a ``decode_kernel`` (``quire.kernels.cpu_extension``), one-query requests, and each query of
-    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise one-query requests are
-    gathered and run through ``scaled_dot_product_attention``.
+    requests with up to ``MAX_SPLIT_QUERY_LEN`` after a cached prefix, go to its ``paged_decode``; otherwise
+    one-query requests are gathered and run through ``scaled_dot_product_attention``. With a ``sliding_window``
+    the decode kernel is not used (it reads whole contexts): decodes are gathered, each reading only its
+    window's blocks.
     """
+    if sliding_window is not None:
+        decode_kernel = None
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     split = decode_kernel is not None
     is_decode = [n == 1 or (split and n <= MAX_SPLIT_QUERY_LEN and seq_lens[i] > n)
                  for i, n in enumerate(query_lens)]
-    prefills = [_prefill_item(i, block_tables, seq_lens, query_start_loc, block_size)
+    prefills = [_prefill_item(i, block_tables, seq_lens, query_start_loc, block_size, sliding_window)
                 for i, decode in enumerate(is_decode) if not decode]
     decode_rows = [i for i, decode in enumerate(is_decode) if decode]
     if decode_kernel is not None and decode_rows:
@@ -90,7 +102,7 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
     if num_groups > 1:
         decode_rows.sort(key=seq_lens.__getitem__)
-    groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size)
+    groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size, sliding_window)
               for group in _split(decode_rows, num_groups)]
     return AttentionPlan(groups, prefills, query_start_loc[-1])
 
@@ -122,9 +134,10 @@ def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: list[int], query_start_loc: list[int],
-                    scale: float, decode_kernel=None) -> torch.Tensor:
+                    scale: float, decode_kernel=None, sliding_window: int | None = None) -> torch.Tensor:
     """Plan and run in one call (``block_tables`` is ``[num_requests, max_blocks]``, host lists for the rest)."""
-    plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], decode_kernel)
+    plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], decode_kernel,
+                                sliding_window)
     return run_paged_attention(query, key_cache, value_cache, plan, scale)
 
 
@@ -153,20 +166,45 @@ def _fused_decode(rows, block_tables, seq_lens, query_start_loc, all_rows: bool)
     )
 
 
-def _decode_group(rows, block_tables, seq_lens, query_start_loc, block_size) -> DecodeGroup:
+def _decode_group(rows, block_tables, seq_lens, query_start_loc, block_size, window=None) -> DecodeGroup:
     lens = [seq_lens[i] for i in rows]
     max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
+    token_rows = torch.tensor([query_start_loc[i] for i in rows], dtype=torch.int64)
     row_index = torch.tensor(rows, dtype=torch.int64)
+    if window is not None and max_len > window:
+        return _windowed_decode_group(token_rows, block_tables[row_index], torch.tensor(lens), block_size, window)
+    num_blocks = -(-max_len // block_size)
     block_ids = block_tables[row_index, :num_blocks].reshape(-1).to(torch.int64)
     mask = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
-    return DecodeGroup(torch.tensor([query_start_loc[i] for i in rows], dtype=torch.int64), block_ids,
-                       num_blocks, max_len, mask[:, None, None, :])
+    return DecodeGroup(token_rows, block_ids, num_blocks, max_len, mask[:, None, None, :])
 
 
-def _prefill_item(i, block_tables, seq_lens, query_start_loc, block_size) -> PrefillItem:
+def _windowed_decode_group(token_rows, block_tables, lens, block_size, window) -> DecodeGroup:
+    """Each request reads from the block holding its window's first key (``seq_len - window``) on; the rows
+    are padded to the widest span with the null block, masked out."""
+    first_blocks = (lens - window).clamp(min=0) // block_size
+    num_blocks = int(((lens + block_size - 1) // block_size - first_blocks).max())
+    tables = torch.cat([block_tables.to(torch.int64),
+                        torch.zeros(len(lens), num_blocks, dtype=torch.int64)], dim=1)
+    block_ids = tables.gather(1, first_blocks[:, None] + torch.arange(num_blocks)).reshape(-1)
+    max_len = num_blocks * block_size
+    positions = first_blocks[:, None] * block_size + torch.arange(max_len)
+    mask = (positions >= (lens - window)[:, None]) & (positions < lens[:, None])
+    return DecodeGroup(token_rows, block_ids, num_blocks, max_len, mask[:, None, None, :])
+
+
+def _prefill_item(i, block_tables, seq_lens, query_start_loc, block_size, window=None) -> PrefillItem:
     start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
     context_len = seq_len - (end - start)
+    if window is not None and seq_len > window:  # the last query's window starts after position 0
+        first_block = max(0, context_len - window + 1) // block_size
+        key_offset = first_block * block_size
+        key_positions = torch.arange(key_offset, seq_len)[None, :]
+        query_positions = torch.arange(context_len, seq_len)[:, None]
+        mask = (key_positions <= query_positions) & (key_positions > query_positions - window)
+        num_blocks = -(-seq_len // block_size)
+        return PrefillItem(start, end, block_tables[i, first_block:num_blocks].to(torch.int64), seq_len, mask,
+                           key_offset)
     mask = None
     if context_len:
         mask = torch.arange(seq_len)[None, :] <= torch.arange(context_len, seq_len)[:, None]
@@ -193,8 +231,9 @@ def _decode(query, key_cache, value_cache, group: DecodeGroup, scale: float) -> 
 
 
 def _prefill(query, key_cache, value_cache, item: PrefillItem, scale: float) -> torch.Tensor:
-    keys = _gather(key_cache, item.block_ids, 1, item.seq_len)
-    values = _gather(value_cache, item.block_ids, 1, item.seq_len)
+    num_keys = item.seq_len - item.key_offset
+    keys = _gather(key_cache, item.block_ids, 1, num_keys)
+    values = _gather(value_cache, item.block_ids, 1, num_keys)
     # NOTE: 4-D inputs (a batch of one): with 3-D ones torch's CPU kernel takes a path ~10x slower.
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None], keys.transpose(1, 2), values.transpose(1, 2),

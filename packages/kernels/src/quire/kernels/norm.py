@@ -1,4 +1,4 @@
-"""RMSNorm, alone and with the residual add fused in front of it."""
+"""RMSNorm, alone and with the residual add fused in front of it; Gemma's (1 + weight) variant."""
 
 import torch
 
@@ -33,6 +33,16 @@ def fused_add_rms_norm(
     return fused_add_rms_norm_reference(x, residual, weight, eps)
 
 
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by ``1 + weight`` (Gemma's convention: weights are stored centred on 0).
+
+    NOTE: normalisation and scaling both happen in float32 and the result is rounded to ``x.dtype`` once, at
+    the end (Llama rounds before the weight): the ``rms_norm`` kernel run on float32 inputs computes exactly
+    that order.
+    """
+    return rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square normalisation over the last dimension, in PyTorch ops.
 
@@ -52,3 +62,10 @@ def fused_add_rms_norm_reference(
     """``fused_add_rms_norm`` in PyTorch ops."""
     summed = x + residual
     return rms_norm_reference(summed, weight, eps), summed
+
+
+def offset_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``offset_rms_norm`` in PyTorch ops, in transformers' Gemma 3 order."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)

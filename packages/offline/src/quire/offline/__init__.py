@@ -10,6 +10,7 @@ _EXPORTS = {
     "SamplingParams": "quire.core.sampling_params",
     "RequestOutput": "quire.core.outputs",
     "CompletionOutput": "quire.core.outputs",
+    "LoRARequest": "quire.core.lora.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,6 +18,7 @@ from quire.core.engine.llm_engine import LLMEngine
 from quire.core.engine.protocol import SyncEngineClient
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import EngineMetrics, RequestOutput
 from quire.core.parsers.output import OutputParser
 from quire.core.parsers.reasoning import get_reasoning_parser_class
@@ -68,6 +69,7 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         data_parallel_rank: int | Sequence[int | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, a prompt dict or a ``ChatPrompt``); outputs in input
@@ -76,7 +78,8 @@ class LLM:
 
         ``priority`` (one per prompt; lower runs first) matters with ``scheduling_policy="priority"``.
         ``data_parallel_rank`` (one for all prompts, or one per prompt; None: the least loaded) pins prompts
-        to engine cores with ``data_parallel_size`` > 1.
+        to engine cores with ``data_parallel_size`` > 1. ``lora_request`` (one for all prompts, or one per
+        prompt; None: the base model) names the LoRA adapter they run with (``enable_lora=True``).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
@@ -88,7 +91,8 @@ class LLM:
         elif len(data_parallel_rank) != len(prompt_list):
             raise ValidationError(f"got {len(data_parallel_rank)} data_parallel_rank values for "
                                   f"{len(prompt_list)} prompts", param="data_parallel_rank")
-        return self._run(prompt_list, params_list, use_tqdm, priority, data_parallel_rank)
+        return self._run(prompt_list, params_list, use_tqdm, priority, data_parallel_rank,
+                         _per_prompt(lora_request, len(prompt_list), "lora_request"))
 
     def chat(
         self,
@@ -102,6 +106,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of messages) or to each of several. Content may be a
@@ -115,6 +120,7 @@ class LLM:
         needs ``tool_call_parser``), ``none``, ``required`` or ``{"type": "function", "function": {"name":
         ...}}`` (the last two constrain the output). With tools or a ``reasoning_parser`` each completion
         carries ``content``, ``reasoning`` and ``tool_calls`` (``quire.core.parsers.tool_calls.ToolCall``).
+        ``lora_request``: as ``generate``'s.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_list(sampling_params, len(conversations))
@@ -134,7 +140,8 @@ class LLM:
                     raise ValidationError(f"tool_choice {tool_req.choice} constrains the output already; it "
                                           "cannot be combined with structured_outputs", param="tool_choice")
                 params[index] = msgspec.structs.replace(params[index], structured_outputs=constraint)
-        outputs = self._run(prompts, params, use_tqdm)
+        outputs = self._run(prompts, params, use_tqdm,
+                            lora_requests=_per_prompt(lora_request, len(prompts), "lora_request"))
         for output, tool_req in zip(outputs, tool_requests):
             self._parse(output, tool_req)
         return outputs
@@ -171,16 +178,18 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None,
-             data_parallel_rank: Sequence[int | None] | None = None) -> list[RequestOutput]:
+             data_parallel_rank: Sequence[int | None] | None = None,
+             lora_requests: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         priorities = priority or [0] * len(prompts)
         ranks = data_parallel_rank or [None] * len(prompts)
+        adapters = lora_requests or [None] * len(prompts)
         try:
-            for request_id, prompt, request_params, request_priority, rank in zip(
-                    request_ids, prompts, params, priorities, ranks):
+            for request_id, prompt, request_params, request_priority, rank, adapter in zip(
+                    request_ids, prompts, params, priorities, ranks, adapters):
                 engine.add_request(request_id, prompt, request_params, priority=request_priority,
-                                   data_parallel_rank=rank)
+                                   data_parallel_rank=rank, lora_request=adapter)
             finished = self._run_engine(len(prompts), use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)
@@ -246,3 +255,12 @@ def _signature() -> inspect.Signature:
 
 
 LLM.__init__.__signature__ = _signature()
+
+
+def _per_prompt(value, num_prompts: int, param: str) -> list:
+    """One value for every prompt (a single value, or a sequence of one per prompt)."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValidationError(f"got {len(value)} {param} values for {num_prompts} prompts", param=param)
+    return list(value)

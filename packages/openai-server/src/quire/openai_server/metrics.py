@@ -88,6 +88,11 @@ class ServerMetrics:
         self.accepted_per_pos = Counter("quire:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
                                         "accepted, by their position in the proposal (0: the first).",
                                         [*labels, "position"], registry=registry)
+        self.lora_info = Gauge("quire:lora_requests_info", "LoRA adapters of the running and of the waiting "
+                               "requests (comma-separated labels) and max_lora; the value is when they were "
+                               "reported (Unix time).",
+                               [*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                               registry=registry)
         self._engines: dict[int, EngineSeries] = {}
         self.engine(0)  # one engine's series exist (at zero) before its first step
 
@@ -122,6 +127,8 @@ class EngineSeries:
                                "spec_decode_num_accepted_tokens": 0}
         self._accepted_per_pos_totals: list[int] = []
         self._accepted_per_pos_family = metrics.accepted_per_pos
+        self._lora_info_family = metrics.lora_info
+        self._lora_info_labels: tuple[str, ...] | None = None  # this engine's current series
 
     def record_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running_reqs)
@@ -141,6 +148,16 @@ class EngineSeries:
                 self._accepted_per_pos_totals[position] = total
         for seconds in stats.structured_output_compile_seconds:
             self.compile_seconds.observe(seconds)
+        if stats.max_loras:
+            self._record_lora_info(stats)
+
+    def _record_lora_info(self, stats: SchedulerStats) -> None:
+        labels = (*self.labels, str(stats.max_loras), ",".join(stats.running_lora_adapters),
+                  ",".join(stats.waiting_lora_adapters))
+        if self._lora_info_labels not in (None, labels):
+            self._lora_info_family.remove(*self._lora_info_labels)  # one series per engine: the latest
+        self._lora_info_labels = labels
+        self._lora_info_family.labels(*labels).set_to_current_time()
 
     def record_request(self, metrics: RequestMetrics) -> None:
         self.prompt_tokens.inc(metrics.num_prompt_tokens)

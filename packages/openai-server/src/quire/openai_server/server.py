@@ -106,10 +106,10 @@ async def serve(engine: EngineClient | None, settings: ServerSettings,
         if engine is None:
             try:
                 engine = await asyncio.to_thread(load)
+                attach_engine(state, engine)  # raises for a --lora-modules adapter the engine cannot apply
             except BaseException:
                 server.should_exit = True
                 raise
-            attach_engine(state, engine)
             freeze_gc_heap()
             if server.started and not server.should_exit:
                 server.announce()

@@ -17,10 +17,12 @@ from fastapi import Request
 
 from quire.core.engine.protocol import EngineClient
 from quire.core.errors import ValidationError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import PositionLogprobs, RequestOutput
 from quire.core.renderer import Renderer
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 from quire.openai_server.errors import APIError
+from quire.openai_server.lora import LoRAAdapters
 from quire.openai_server.metrics import ServerMetrics
 from quire.openai_server.protocol import (
     ChoiceLogprobs,
@@ -49,6 +51,7 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False
     num_in_flight: int = 0
+    lora: LoRAAdapters = dataclasses.field(default_factory=LoRAAdapters)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -63,10 +66,23 @@ class ServerState:
     def api_key_digests(self) -> list[bytes]:
         return [hashlib.sha256(key.encode()).digest() for key in self.settings.api_keys]
 
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist. Valid models: "
-                                f"{', '.join(self.served_model_names)}.", code="model_not_found", param="model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model, which an empty name also means); a 404
+        for a name that is neither."""
+        if not model or model in self.served_model_names:
+            return None
+        adapter = self.lora.get(model)
+        if adapter is None:
+            valid = [*self.served_model_names, *(a.lora_name for a in self.lora)]
+            raise APIError(404, f"The model `{model}` does not exist. Valid models: {', '.join(valid)}.",
+                           code="model_not_found", param="model")
+        return adapter
+
+    def load_lora_modules(self) -> None:
+        """The adapters of ``--lora-modules``, checked against the engine's model (at start-up)."""
+        for name, path in self.settings.lora_modules:
+            self.lora.load(name, path, self.engine.model_config, self.settings.max_lora_rank,
+                           self.served_model_names)
 
 
 def request_id(prefix: str, request: Request, body_request_id: str | None) -> str:

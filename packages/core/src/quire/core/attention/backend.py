@@ -20,10 +20,13 @@ class AttentionCapabilities:
     (``quire.kernels.decode_stack``), because this backend's plans decode with the same C++ kernel.
     ``supports_cuda_graphs``: ``graph_decode_plan`` builds a decode plan over caller-owned static buffers,
     so the runner may capture decode steps in CUDA graphs.
+    ``supports_sliding_window``: ``forward`` takes a ``sliding_window``; without it the runner refuses, at
+    start-up, a model with windowed layers.
     """
 
     cpu_decode_stack: bool = False
     supports_cuda_graphs: bool = False
+    supports_sliding_window: bool = False
 
 
 class AttentionBackend(abc.ABC):
@@ -52,9 +55,14 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Write ``key``/``value [T, Hk, D]`` at ``metadata.slot_mapping``, then return attention output
-        ``[T, Hq, D]`` for ``query [T, Hq, D]`` (``kv_cache`` laid out as in ``quire.kernels.kv_cache``)."""
+        ``[T, Hq, D]`` for ``query [T, Hq, D]`` (``kv_cache`` laid out as in ``quire.kernels.kv_cache``).
+
+        With a ``sliding_window`` (only where ``capabilities.supports_sliding_window``), the query at position
+        ``p`` sees the keys at positions ``p - sliding_window + 1 .. p`` only; the blocks of earlier keys may
+        already belong to other requests and are never read.
+        """
 
     def decode_stack_inputs(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(block_tables [B, max_blocks] int64, seq_lens [B] int64)`` for the C++ decoder stack when every

@@ -28,11 +28,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     Pure decode steps use the decode kernel (query heads grouped by KV head, split contexts); steps with
     prompt chunks run the variable-length kernel over every request. Decode plans can be built over a
-    CUDA graph's static buffers (``graph_decode_plan``).
+    CUDA graph's static buffers (``graph_decode_plan``). Windowed layers pass their ``sliding_window`` to
+    both kernels, which read only the blocks inside each query's window.
     """
 
     name = "triton"
-    capabilities = AttentionCapabilities(supports_cuda_graphs=True)
+    capabilities = AttentionCapabilities(supports_cuda_graphs=True, supports_sliding_window=True)
 
     def __init__(self, dtype: str = "bfloat16", device: str = "cuda"):
         from quire.kernels.triton_ops import attention, elementwise  # imports triton
@@ -68,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key``/``value [T, Hk, D]``; ``kv_cache`` as in ``quire.kernels.kv_cache``."""
         plan: TritonAttentionPlan = metadata.plan
@@ -75,6 +77,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._elementwise.write_kv_cache(key, value, key_cache, value_cache, plan.slot_mapping)
         if plan.is_decode_only:
             return self._attention.paged_decode(query, key_cache, value_cache, plan.block_tables, plan.seq_lens,
-                                                scale, plan.max_seq_len)
+                                                scale, plan.max_seq_len, sliding_window=sliding_window)
         return self._attention.paged_prefill(query, key_cache, value_cache, plan.block_tables, plan.seq_lens,
-                                             plan.query_start_loc, scale, plan.max_query_len)
+                                             plan.query_start_loc, scale, plan.max_query_len,
+                                             sliding_window=sliding_window)

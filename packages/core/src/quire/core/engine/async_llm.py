@@ -20,6 +20,7 @@ from quire.core.engine.output_collector import RequestOutputCollector, RequestSt
 from quire.core.engine.protocol import StatLogger
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import EngineDeadError, EngineUtilityError, OverloadedError, ValidationError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import EngineMetrics, RequestOutput
 from quire.core.renderer import PromptType, is_long
 from quire.core.sampling_params import SamplingParams
@@ -101,7 +102,8 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None, data_parallel_rank: int | None = None) -> RequestStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Render, validate, admit and send a request; return the stream its outputs will arrive in.
         With a ``timeout`` (seconds), the stream aborts the request and raises ``RequestTimeoutError``
         once it has run that long; ``data_parallel_rank`` pins it to that engine core."""
@@ -110,7 +112,7 @@ class AsyncLLM:
         if timeout is not None and timeout <= 0:
             raise ValidationError(f"timeout must be positive, got {timeout}", param="timeout")
         process = (self.front_end.process, request_id, prompt, params, arrival_time, priority, cache_salt,
-                   data_parallel_rank)
+                   data_parallel_rank, lora_request)
         if is_long(prompt):  # rendering and tokenizing long inputs would stall every other stream
             request, prompt_text = await asyncio.to_thread(*process)
         else:
@@ -130,13 +132,15 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None, timeout: float | None = None,
-                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                       data_parallel_rank: int | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises ``ValidationError`` for bad input,
         ``OverloadedError`` when at capacity (``QueueTimeoutError`` when it waited past
         ``max_queue_time``), ``RequestTimeoutError`` past ``timeout`` seconds, ``EngineGenerateError`` if
         the engine failed the request and ``EngineDeadError`` if the engine died."""
         stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                                        timeout=timeout, data_parallel_rank=data_parallel_rank)
+                                        timeout=timeout, data_parallel_rank=data_parallel_rank,
+                                        lora_request=lora_request)
         try:
             async for output in stream:
                 yield output

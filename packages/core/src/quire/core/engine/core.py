@@ -41,8 +41,10 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,
-            KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching),
+            KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                           config.model.kv_cache_sliding_window),
             config.model.max_model_len,
+            max_loras=config.lora.max_loras if config.lora is not None else None,
         )
         self.structured_outputs = StructuredOutputManager(
             config.tokenizer, config.model.vocab_size, config.scheduler.max_num_seqs,
@@ -76,7 +78,7 @@ class EngineCore:
         core_request = Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
-            request.cache_salt, request.bad_words_token_ids, request.mm_features,
+            request.cache_salt, request.bad_words_token_ids, request.mm_features, request.lora_request,
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:

@@ -9,6 +9,7 @@ from quire.core.config import EngineConfig
 from quire.core.engine.input_processor import InputProcessor
 from quire.core.engine.output_processor import OutputProcessor, ParentRequest
 from quire.core.errors import ValidationError
+from quire.core.lora.request import LoRARequest
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import SamplingParams
 from quire.core.tokenizer import load_tokenizer
@@ -28,17 +29,18 @@ class FrontEnd:
         self.renderer = Renderer(tokenizer, config.model.vocab_size, multimodal)
         self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
                                               config.structured_outputs_backend, config.reasoning_parser,
-                                              config.parallel.data_parallel_size)
+                                              config.parallel.data_parallel_size, config.lora)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
                 priority: int, cache_salt: str | None,
-                data_parallel_rank: int | None = None) -> tuple[EngineCoreRequest, str | None]:
+                data_parallel_rank: int | None = None,
+                lora_request: LoRARequest | None = None) -> tuple[EngineCoreRequest, str | None]:
         """Render and validate a request whose id is not in use; return it and its prompt text."""
         if self.output_processor.is_in_flight(request_id):
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
         return self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt,
-                                            data_parallel_rank)
+                                            data_parallel_rank, lora_request)
 
     def register(self, request: EngineCoreRequest, prompt_text: str | None) -> list[EngineCoreRequest]:
         """Track a request's outputs; return the engine requests to send.

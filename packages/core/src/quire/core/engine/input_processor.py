@@ -8,8 +8,10 @@ import time
 
 import msgspec
 
-from quire.core.config import ModelConfig
+from quire.core.config import LoRAConfig, ModelConfig
 from quire.core.errors import ValidationError
+from quire.core.lora.adapter_config import read_adapter_config
+from quire.core.lora.request import LoRARequest
 from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.renderer import PromptType, RenderedPrompt, Renderer
 from quire.core.sampling_params import SamplingParams
@@ -22,8 +24,11 @@ class InputProcessor:
 
     def __init__(self, model_config: ModelConfig, renderer: Renderer, max_model_len: int | None = None,
                  max_logprobs: int = 20, structured_outputs_backend: str = "auto",
-                 reasoning_parser: str | None = None, data_parallel_size: int = 1):
+                 reasoning_parser: str | None = None, data_parallel_size: int = 1,
+                 lora_config: LoRAConfig | None = None):
         self.model_config = model_config
+        self.lora_config = lora_config
+        self.lora_adapters: dict[int, LoRARequest] = {}  # every adapter checked so far, by id
         self.data_parallel_size = data_parallel_size
         self.structured_outputs = StructuredOutputValidator(structured_outputs_backend)
         # With a reasoning parser, a constraint waits for the thinking to end: its tags as token ids.
@@ -49,6 +54,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None when the prompt was token ids)."""
         if not isinstance(params, SamplingParams):
@@ -58,6 +64,7 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValidationError("cache_salt must be a non-empty string", param="cache_salt")
         self._check_data_parallel_rank(data_parallel_rank)
+        self._check_lora_request(lora_request)
         rendered = self.renderer.render(prompt)
         prompt_ids = self._truncate(rendered.token_ids, params.truncate_prompt_tokens)
         mm_features = _shift_features(rendered.mm_features, len(rendered.token_ids) - len(prompt_ids))
@@ -76,8 +83,29 @@ class InputProcessor:
             reasoning_tags=self.reasoning_tags if params.structured_outputs is not None else None,
             mm_features=mm_features,
             data_parallel_rank=data_parallel_rank,
+            lora_request=lora_request,
         )
         return request, rendered.text
+
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """A LoRA adapter this engine can apply: the folder is read once per id (an id names one adapter)."""
+        if lora_request is None:
+            return
+        if self.lora_config is None:
+            raise ValidationError("this engine serves no LoRA adapters (start it with enable_lora)",
+                                  param="lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValidationError("lora_request must be a LoRARequest", param="lora_request")
+        if not isinstance(lora_request.lora_int_id, int) or lora_request.lora_int_id < 1:
+            raise ValidationError(f"lora_int_id must be a positive integer, got {lora_request.lora_int_id!r}",
+                                  param="lora_request")
+        known = self.lora_adapters.get(lora_request.lora_int_id)
+        if known is not None and known != lora_request:
+            raise ValidationError(f"lora_int_id {known.lora_int_id} already names adapter {known.lora_name!r} at "
+                                  f"{known.lora_path!r}", param="lora_request")
+        if known is None:
+            read_adapter_config(lora_request.lora_path, self.lora_config.max_lora_rank, self.model_config)
+            self.lora_adapters[lora_request.lora_int_id] = lora_request
 
     def _check_data_parallel_rank(self, rank: int | None) -> None:
         if rank is None:

@@ -13,6 +13,7 @@ from quire.core.engine.core_client import EngineCoreClient, InprocClient
 from quire.core.engine.front_end import FrontEnd
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ConfigError, EngineDeadError, EngineUtilityError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import EngineMetrics, RequestOutput
 from quire.core.renderer import PromptType
 from quire.core.sampling_params import SamplingParams
@@ -87,11 +88,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, data_parallel_rank: int | None = None) -> None:
+                    cache_salt: str | None = None, data_parallel_rank: int | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children.
-        ``data_parallel_rank`` pins it to that engine core (with ``data_parallel_size`` > 1)."""
+        ``data_parallel_rank`` pins it to that engine core (with ``data_parallel_size`` > 1);
+        ``lora_request`` names its LoRA adapter (with ``enable_lora``)."""
         request, prompt_text = self.front_end.process(request_id, prompt, params, arrival_time, priority,
-                                                      cache_salt, data_parallel_rank)
+                                                      cache_salt, data_parallel_rank, lora_request)
         for engine_request in self.front_end.register(request, prompt_text):
             self.engine_core.add_request(engine_request)
 

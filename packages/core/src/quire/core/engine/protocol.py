@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from quire.core.config import ModelConfig
 from quire.core.errors import EngineDeadError
+from quire.core.lora.request import LoRARequest
 from quire.core.outputs import EngineMetrics, RequestMetrics, RequestOutput
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import SamplingParams
@@ -87,14 +88,17 @@ class EngineClient(EngineClientBase, Protocol):
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                          timeout: float | None = None, data_parallel_rank: int | None = None) -> OutputStream:
+                          timeout: float | None = None, data_parallel_rank: int | None = None,
+                          lora_request: LoRARequest | None = None) -> OutputStream:
         """Render, validate, admit (``check_admission``) and send a request; every input error is raised
         here, before any output. ``timeout`` (seconds) bounds the whole request; ``data_parallel_rank``
-        pins it to one engine core of a data-parallel group."""
+        pins it to one engine core of a data-parallel group; ``lora_request`` names the LoRA adapter it
+        runs with (None: the base model)."""
 
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *, priority: int = 0,
                  cache_salt: str | None = None, timeout: float | None = None,
-                 data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                 data_parallel_rank: int | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """``add_request`` and iterate its outputs until the request finishes."""
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -131,7 +135,8 @@ class SyncEngineClient(EngineClientBase, Protocol):
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, data_parallel_rank: int | None = None) -> None: ...
+                    cache_salt: str | None = None, data_parallel_rank: int | None = None,
+                    lora_request: LoRARequest | None = None) -> None: ...
 
     def abort_request(self, request_ids: Iterable[str]) -> None: ...
 

@@ -9,7 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from quire.core.errors import ConfigError
-from quire.core.models.registry import FusedWeight, ModelEntry, WeightMapping, register_model
+from quire.core.models.registry import ExpertWeight, FusedWeight, ModelEntry, WeightMapping, register_model
 
 if TYPE_CHECKING:
     from quire.core.config import ModelConfig
@@ -43,22 +43,56 @@ def llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": False}
 
 
+def mistral_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's fields, and ``sliding_window`` on every layer (MistralConfig's default of 4096 where the key is
+    missing; null: none). Mistral ignores ``layer_types``, as transformers' MistralModel does."""
+    window = hf.get("sliding_window", 4096)
+    return {**llama_fields(hf), "sliding_window": _window(window, "sliding_window")}
+
+
+def qwen_window_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2 and Qwen3: ``sliding_window`` only with ``use_sliding_window`` (otherwise it is ignored), on the
+    layers ``layer_types`` marks, or by default on layers ``max_window_layers`` and above."""
+    if not hf.get("use_sliding_window", False):
+        return {}
+    window = _window(hf.get("sliding_window", 4096), "sliding_window")
+    if window is None:
+        return {}
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_windowed = int(hf.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"layer_types must name full_attention or sliding_attention for each of the "
+                          f"{num_layers} layers, got {layer_types!r}")
+    return {"sliding_window": window, "layer_types": tuple(layer_types)}
+
+
+def _window(value: Any, field: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{field} must be a positive number of tokens or null, got {value!r}")
+    return value
+
+
 def qwen2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen2 always has a q/k/v bias and never an o_proj bias, whatever ``attention_bias`` says."""
     _check_llama_shaped(hf)
-    return {"qkv_bias": True, "o_proj_bias": False, "qk_norm": False}
+    return {"qkv_bias": True, "o_proj_bias": False, "qk_norm": False, **qwen_window_fields(hf)}
 
 
 def qwen3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3: Llama's biases plus an RMSNorm over each head's queries and keys."""
-    return {**llama_fields(hf), "qk_norm": True}
+    return {**llama_fields(hf), "qk_norm": True, **qwen_window_fields(hf)}
 
 
 # Mistral, Qwen2 and Qwen3 are Llama-shaped: one implementation serves all four names.
 _LLAMA = ("quire.core.models.llama", "LlamaForCausalLM")
 register_model(ModelEntry("LlamaForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("llama",),
                            supports_tensor_parallel=True))
-register_model(ModelEntry("MistralForCausalLM", *_LLAMA, llama_fields, LLAMA_WEIGHTS, model_types=("mistral",),
+register_model(ModelEntry("MistralForCausalLM", *_LLAMA, mistral_fields, LLAMA_WEIGHTS, model_types=("mistral",),
                            supports_tensor_parallel=True))
 register_model(ModelEntry("Qwen2ForCausalLM", *_LLAMA, qwen2_fields, LLAMA_WEIGHTS, model_types=("qwen2",),
                            supports_tensor_parallel=True))
@@ -66,8 +100,72 @@ register_model(ModelEntry("Qwen3ForCausalLM", *_LLAMA, qwen3_fields, LLAMA_WEIGH
                            supports_tensor_parallel=True))
 
 
+# Phi-3 and Phi-4-mini: Llama-shaped, with q/k/v and gate/up fused in the checkpoint already (under the model's
+# own names, so nothing is stacked); LongRoPE and partial rotary arrive through ``RopeConfig``. Not split for
+# tensor parallelism: a rank's rows of a fused checkpoint tensor are not one slice of it.
+PHI3_WEIGHTS = WeightMapping(skipped_suffixes=LLAMA_WEIGHTS.skipped_suffixes, tied_names=LLAMA_WEIGHTS.tied_names)
+_PHI3_ROPE_TYPES = ("default", "longrope", "su")
+
+
+def phi3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3: no biases, ``sliding_window`` (null: none) on every layer, rope ``default`` or ``longrope``
+    (once ``su``). A longrope config names ``original_max_position_embeddings`` at the top level, as Phi-3's
+    do (transformers' Phi3Config would put its default of 4096 over the one in ``rope_scaling``)."""
+    _check_llama_shaped(hf)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in _PHI3_ROPE_TYPES:
+        raise ConfigError(f"rope type {rope_type!r} is not supported for Phi-3 (supported: default, longrope)")
+    if rope_type != "default" and "original_max_position_embeddings" not in hf:
+        raise ConfigError("a longrope config must name original_max_position_embeddings at the top level")
+    return {"qkv_bias": False, "o_proj_bias": False, "qk_norm": False,
+            "sliding_window": _window(hf.get("sliding_window"), "sliding_window")}
+
+
+register_model(ModelEntry("Phi3ForCausalLM", *_LLAMA, phi3_fields, PHI3_WEIGHTS, model_types=("phi3",)))
+
+
+# BERT encoders (sentence-transformers embedding models): q/k/v stacked into one projection, transformers'
+# ``LayerNorm`` (once ``gamma``/``beta``) named ``layer_norm``; a ``bert.`` prefix (checkpoints saved from a
+# task model) dropped; the pooler and any MLM head are not built.
+BERT_WEIGHTS = WeightMapping(
+    fused=(FusedWeight(".attention.qkv_proj.", tuple((f".attention.self.{name}.", lambda c: c.hidden_size)
+                                                     for name in ("query", "key", "value"))),),
+    renamed_prefixes=(("bert.", ""),),
+    renamed_parts=((".LayerNorm.gamma", ".layer_norm.weight"), (".LayerNorm.beta", ".layer_norm.bias"),
+                   (".LayerNorm.", ".layer_norm.")),
+    skipped_suffixes=("position_ids",),
+    is_unused=lambda name, config: name.startswith(("pooler.", "cls.")),
+)
+_BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                     "gelu_fast": "gelu_tanh", "relu": "relu"}
+
+
+def bert_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """BERT: bidirectional attention, absolute positions, token types, LayerNorm (BertConfig's defaults where
+    config.json leaves a key out)."""
+    activation = hf.get("hidden_act", "gelu")
+    if activation not in _BERT_ACTIVATIONS:
+        raise ConfigError(f"hidden_act {activation!r} is not supported for BERT "
+                          f"(supported: {', '.join(_BERT_ACTIVATIONS)})")
+    position_type = hf.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise ConfigError(f"position_embedding_type {position_type!r} is not supported for BERT (only absolute)")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise ConfigError("BERT checkpoints with is_decoder or add_cross_attention are not supported")
+    num_token_types = hf.get("type_vocab_size", 2)
+    if not isinstance(num_token_types, int) or isinstance(num_token_types, bool) or num_token_types < 1:
+        raise ConfigError(f"type_vocab_size must be a positive integer, got {num_token_types!r}")
+    return {"is_causal": False, "layer_norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
+            "num_token_types": num_token_types, "encoder_activation": _BERT_ACTIVATIONS[activation]}
+
+
+register_model(ModelEntry("BertModel", "quire.core.models.bert", "BertModel", bert_fields, BERT_WEIGHTS,
+                          model_types=("bert",)))
+
+
 # LLaVA-1.5: a CLIP vision tower and a two-layer projector in front of a Llama-shaped language model.
-_LLAVA_TEXT_FIELDS = {"llama": llama_fields, "mistral": llama_fields, "qwen2": qwen2_fields}
+_LLAVA_TEXT_FIELDS = {"llama": llama_fields, "mistral": mistral_fields, "qwen2": qwen2_fields}
 # transformers 4.x wrote only the sub-config values that differ from their class's defaults (llava-hf's
 # llava-1.5 text_config names no layer count), so LlamaConfig's and CLIPVisionConfig's defaults fill in what
 # Quire reads; other text model types must spell out the shape. The top-level defaults are LlavaConfig's.
@@ -321,3 +419,147 @@ QWEN2_5_VL_WEIGHTS = WeightMapping(
 register_model(ModelEntry("Qwen2_5_VLForConditionalGeneration", "quire.core.models.qwen2_5_vl",
                           "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl_fields, QWEN2_5_VL_WEIGHTS,
                           model_types=("qwen2_5_vl",), text_config=qwen2_5_vl_text_config))
+
+
+# Gemma 3 (text): Llama's checkpoint names plus four norms per layer (``pre_feedforward_layernorm`` and
+# ``post_feedforward_layernorm`` besides Llama's two) and ``q_norm``/``k_norm``; sliding-window layers interleaved
+# with full-attention ones, each kind with its own rotary base. Gemma3ForConditionalGeneration (vision) is not
+# registered. Configs may leave fields to Gemma3TextConfig's defaults (the Hub's files name no
+# ``tie_word_embeddings``, which is true), so those fill in what Quire reads.
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "bos_token_id": 2, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096}
+_GEMMA3_GLOBAL_THETA, _GEMMA3_LOCAL_THETA = 1000000.0, 10000.0
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rotary parameters of full-attention and of sliding-window layers: 5.x's ``rope_parameters`` holds
+    one dict per layer type; 4.x had ``rope_theta`` and ``rope_scaling`` (full attention) beside
+    ``rope_local_base_freq`` (sliding window)."""
+    params = hf.get("rope_parameters")
+    if params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", _GEMMA3_GLOBAL_THETA)}
+        local = {"rope_theta": hf.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA)}
+    full.setdefault("rope_theta", _GEMMA3_GLOBAL_THETA)
+    local.setdefault("rope_theta", _GEMMA3_LOCAL_THETA)
+    return full, local
+
+
+def gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields over Gemma3TextConfig's defaults, with the full-attention layers' rotary parameters
+    as the model's ``rope_parameters`` (the sliding-window layers' base is ``local_rope_theta``)."""
+    full_rope, _ = _gemma3_rope(hf)
+    return {**_GEMMA3_DEFAULTS, **hf, "rope_parameters": full_rope, "rope_scaling": None}
+
+
+def _gemma3_layer_types(text: dict[str, Any]) -> tuple[str, ...]:
+    """``layer_types``, or (configs older than that field) every ``sliding_window_pattern``-th layer full."""
+    num_layers = int(text["num_hidden_layers"])
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(layer_types) - set(GEMMA3_LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types {', '.join(map(repr, unknown))} are not supported (supported: "
+                          f"{', '.join(GEMMA3_LAYER_TYPES)})")
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types names {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+    return tuple(layer_types)
+
+
+def gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields: ``(1 + w)`` q/k norms, its attention scale, logit soft-capping, windows and the
+    sliding layers' rotary base; variants the model cannot run are refused."""
+    text = gemma3_text_config(hf)
+    if text["hidden_activation"] != "gelu_pytorch_tanh":
+        raise ConfigError(f"hidden_activation {text['hidden_activation']!r} is not supported "
+                          "(only gelu_pytorch_tanh)")
+    if text.get("attn_logit_softcapping") is not None:
+        raise ConfigError("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it null)")
+    if text.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention is not supported (Quire's attention is causal)")
+    _, local_rope = _gemma3_rope(hf)
+    local_type = local_rope.get("rope_type") or local_rope.get("type") or "default"
+    if local_type != "default":
+        raise ConfigError(f"rope_parameters.sliding_attention.rope_type {local_type!r} is not supported "
+                          "(only default)")
+    bias = bool(text.get("attention_bias", False))
+    softcap = text.get("final_logit_softcapping")
+    return {"qkv_bias": bias, "o_proj_bias": bias, "qk_norm": True,
+            "query_pre_attn_scalar": float(text["query_pre_attn_scalar"]),
+            "final_logit_softcapping": float(softcap) if softcap is not None else None,
+            "local_rope_theta": float(local_rope["rope_theta"]),
+            "sliding_window": _window(text.get("sliding_window"), "sliding_window"),
+            "layer_types": _gemma3_layer_types(text)}
+
+
+register_model(ModelEntry("Gemma3ForCausalLM", "quire.core.models.gemma3", "Gemma3ForCausalLM", gemma3_fields,
+                          LLAMA_WEIGHTS, model_types=("gemma3_text",), text_config=gemma3_text_config))
+
+
+# Mixtures of experts: Llama's attention (Qwen3-MoE's with q/k RMSNorm) and a routed sparse MoE block as the
+# MLP. transformers 5.x saves one tensor per expert and projection (``experts.<e>.w1`` / ``gate_proj`` …), which
+# are stacked into one ``[num_experts, rows, columns]`` parameter per projection; checkpoints already holding
+# the stacked ``experts.gate_up_proj`` / ``experts.down_proj`` load as they are. Not split for tensor parallelism.
+def _moe_fields(hf: dict[str, Any], num_experts_key: str, moe_intermediate_size: int, norm_topk_prob: bool,
+                dense_mlp_layers: tuple[int, ...] = ()) -> dict[str, Any]:
+    num_experts = _positive_int(hf.get(num_experts_key), num_experts_key)
+    top_k = _positive_int(hf.get("num_experts_per_tok"), "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} exceeds {num_experts_key} {num_experts}")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": _positive_int(moe_intermediate_size, "moe_intermediate_size"),
+            "norm_topk_prob": norm_topk_prob, "dense_mlp_layers": dense_mlp_layers}
+
+
+def _positive_int(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral: ``num_local_experts`` experts of width ``intermediate_size``, top-k weights always renormalised;
+    ``sliding_window`` on every layer where set (MixtralConfig's default is none)."""
+    return {**llama_fields(hf), "sliding_window": _window(hf.get("sliding_window"), "sliding_window"),
+            **_moe_fields(hf, "num_local_experts", hf.get("intermediate_size"), norm_topk_prob=True)}
+
+
+def qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's attention; ``num_experts`` (``num_local_experts`` as transformers 5.x saves it) experts
+    of width ``moe_intermediate_size``, renormalised if ``norm_topk_prob``. Layers in ``mlp_only_layers``, and
+    those whose number (from 1) ``decoder_sparse_step`` does not divide, keep a dense MLP of width
+    ``intermediate_size``. Missing keys take Qwen3MoeConfig's defaults."""
+    num_layers = int(hf["num_hidden_layers"])
+    step = _positive_int(hf.get("decoder_sparse_step", 1), "decoder_sparse_step")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in mlp_only):
+        raise ConfigError(f"mlp_only_layers must list layer indices below {num_layers}, got {mlp_only!r}")
+    dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    return {**qwen3_fields(hf), **_moe_fields({key: 128, "num_experts_per_tok": 8, **hf}, key,
+                                              hf.get("moe_intermediate_size", 768),
+                                              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                                              dense_mlp_layers=dense)}
+
+
+def _expert_weights(gate: str, up: str, down: str) -> tuple[ExpertWeight, ...]:
+    return (ExpertWeight(".mlp.experts.", "gate_up_proj", ((gate, lambda c: c.moe_intermediate_size),
+                                                           (up, lambda c: c.moe_intermediate_size))),
+            ExpertWeight(".mlp.experts.", "down_proj", ((down, lambda c: c.hidden_size),)))
+
+
+MIXTRAL_WEIGHTS = dataclasses.replace(LLAMA_WEIGHTS, renamed_parts=((".block_sparse_moe.", ".mlp."),),
+                                      experts=_expert_weights("w1.weight", "w3.weight", "w2.weight"))
+QWEN3_MOE_WEIGHTS = dataclasses.replace(
+    LLAMA_WEIGHTS, experts=_expert_weights("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+_MOE = ("quire.core.models.moe", "MoeForCausalLM")
+register_model(ModelEntry("MixtralForCausalLM", *_MOE, mixtral_fields, MIXTRAL_WEIGHTS, model_types=("mixtral",)))
+register_model(ModelEntry("Qwen3MoeForCausalLM", *_MOE, qwen3_moe_fields, QWEN3_MOE_WEIGHTS,
+                          model_types=("qwen3_moe",)))

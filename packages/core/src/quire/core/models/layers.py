@@ -9,7 +9,7 @@ from torch import nn
 from quire.core.config import RopeConfig
 from quire.kernels import linear as linear_ops
 from quire.kernels import quant
-from quire.kernels.norm import fused_add_rms_norm, rms_norm
+from quire.kernels.norm import fused_add_rms_norm, offset_rms_norm, rms_norm
 from quire.kernels.rotary import rope_cos_sin, rope_inv_freq, rotary_factors
 
 
@@ -98,18 +98,33 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (checkpoints store the weight centred on 0), in float32."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return offset_rms_norm(x, self.weight, self.eps)
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 cos/sin table for every position up to ``max_positions``."""
+    """Holds the float32 cos/sin table for every position up to ``max_positions``, for the leading
+    ``rotary_dim`` dimensions of each head (all of them unless ``rope.partial_rotary_factor`` < 1)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
+        self.rotary_dim = rope.rotary_dim(head_dim)
         device = torch.get_default_device()  # the model's device (ModelRunner builds it under one)
         with torch.device("cpu"):  # NOTE: the same float32 table on every device, as transformers computes it
             inv_freq = rope_inv_freq(
-                head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
-                rope.high_freq_factor, rope.original_max_position_embeddings,
+                self.rotary_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
+                rope.high_freq_factor, rope.original_max_position_embeddings, rope.short_factor,
+                rope.long_factor, max_positions,
             )
-            table = rope_cos_sin(inv_freq, max_positions)
+            table = rope_cos_sin(inv_freq, max_positions, rope.attention_factor)
         self.register_buffer("cos_sin", table.to(device), persistent=False)
 
     def factors(self, positions: torch.Tensor, dtype: torch.dtype):

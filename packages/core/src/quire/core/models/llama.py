@@ -1,7 +1,8 @@
-"""The Llama decoder, which also serves Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints.
+"""The Llama decoder, which also serves Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and Phi-3 checkpoints.
 
 Module names mirror the Hugging Face checkpoints, except that q/k/v projections are fused into
-``qkv_proj`` and gate/up into ``gate_up_proj`` (the registry entry's weight mapping stacks them).
+``qkv_proj`` and gate/up into ``gate_up_proj`` (the registry entry's weight mapping stacks them; Phi-3's
+checkpoints hold them fused already).
 
 Given a ``TensorParallelGroup`` of several ranks, the model is built from the config's shard
 (``ModelConfig.shard``: this rank's heads and MLP columns) with the layers of ``parallel_layers``: one
@@ -10,6 +11,8 @@ built from the plain layers, as a single process runs it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,8 +51,10 @@ def _input_linear(in_features: int, out_features: int, bias: bool, dtype: torch.
 
 
 class LlamaAttention(nn.Module):
+    """``sliding_window``: this layer's window (``ModelConfig.layer_sliding_window``), None: every earlier token."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 group: TensorParallelGroup | None = None):
+                 group: TensorParallelGroup | None = None, sliding_window: int | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -63,6 +68,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.backend = backend
+        self.sliding_window = sliding_window
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -74,7 +80,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotate(query, key, *rotary)
-        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale,
+                                   sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -86,15 +93,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = _input_linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, group)
         self.down_proj = _output_linear(config.intermediate_size, config.hidden_size, False, dtype, group)
+        # Rows per chunk of a long CPU step (None: one piece; LoRA layers index the step's rows whole).
+        self.chunk_rows: int | None = CPU_MLP_CHUNK_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.shape[0] > CPU_MLP_CHUNK_ROWS:
+        if x.is_cpu and self.chunk_rows is not None and x.shape[0] > self.chunk_rows:
             # NOTE: glibc maps every allocation over 32 MiB afresh, so a prompt-sized intermediate
             # ([tokens, 2 * intermediate]) costs page faults worth as much as its matrix multiply; chunks
             # of rows keep the intermediates small and in cache (1.7x faster for 2,048 tokens here).
             out = torch.empty_like(x)
-            for start in range(0, x.shape[0], CPU_MLP_CHUNK_ROWS):
-                out[start:start + CPU_MLP_CHUNK_ROWS] = self._forward(x[start:start + CPU_MLP_CHUNK_ROWS])
+            for start in range(0, x.shape[0], self.chunk_rows):
+                out[start:start + self.chunk_rows] = self._forward(x[start:start + self.chunk_rows])
             return out
         return self._forward(x)
 
@@ -104,10 +113,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 group: TensorParallelGroup | None = None):
+                 group: TensorParallelGroup | None = None, *, mlp: nn.Module | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, dtype, group)
-        self.mlp = LlamaMLP(config, dtype, group)
+        self.self_attn = LlamaAttention(config, backend, dtype, group, sliding_window)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -124,17 +134,21 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """``rotary``: the rotary table ``forward`` reads positions from (default: ``RotaryEmbedding`` of the config's
-    rope; Qwen2.5-VL gives its M-RoPE one). ``group``: the tensor-parallel ranks (see the module docstring)."""
+    rope; Qwen2.5-VL gives its M-RoPE one). ``group``: the tensor-parallel ranks (see the module docstring).
+    ``mlp(layer_index)``: the feed-forward block of that layer in place of ``LlamaMLP`` (mixtures of experts)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 rotary: RotaryEmbedding | None = None, group: TensorParallelGroup | None = None):
+                 rotary: RotaryEmbedding | None = None, group: TensorParallelGroup | None = None, *,
+                 mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size, dtype) if group is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, group))
         self.rotary = rotary if rotary is not None else RotaryEmbedding(config.head_dim, config.max_model_len,
                                                                         config.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, group) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, dtype, group, mlp=mlp(index) if mlp is not None else None,
+                              sliding_window=config.layer_sliding_window(index))
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.config = config
@@ -167,6 +181,12 @@ class LlamaModel(nn.Module):
         with tensor parallelism: the stack has no collectives)."""
         if not self.backend.capabilities.cpu_decode_stack or self.group is not None:
             return
+        if not all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers):
+            return  # the stack computes dense MLPs only
+        if any(layer.self_attn.sliding_window is not None for layer in self.layers):
+            return  # the stack's attention sees whole contexts (no sliding window)
+        if self.rotary.cos_sin.shape[-1] != self.config.head_dim:
+            return  # the stack rotates whole heads (no partial rotary)
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -195,20 +215,21 @@ def _stack_weight(linear: Linear):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only causal LM: ``forward`` returns hidden states, ``compute_logits`` logits
-    in the model's dtype (``rotary``: see ``LlamaModel``).
+    in the model's dtype (``rotary``, ``mlp``: see ``LlamaModel``).
 
     ``tensor_parallel_group``: the ranks this model is split over, each built from ``config.shard(N)``; every
     rank gets the whole logits. None (or one rank): the plain single-process model.
     """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding | None = None,
-                 tensor_parallel_group: TensorParallelGroup | None = None):
+                 tensor_parallel_group: TensorParallelGroup | None = None, *,
+                 mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         dtype = getattr(torch, config.dtype)
         group = tensor_parallel_group if tensor_parallel_group and tensor_parallel_group.world_size > 1 else None
         self.config = config
         self.group = group
-        self.model = LlamaModel(config, backend, dtype, rotary, group)
+        self.model = LlamaModel(config, backend, dtype, rotary, group, mlp=mlp)
         if config.tie_word_embeddings:
             self.lm_head = None
         elif group is None:

@@ -46,11 +46,57 @@ class FusedWeight:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+    """Per-expert checkpoint tensors stacked into one ``[num_experts, rows, columns]`` parameter.
+
+    A checkpoint tensor named ``<module>{experts}<e>.{parts[i][0]}`` (e.g. ``layers.0.mlp.experts.3.w3.weight``
+    for ``experts`` ``.mlp.experts.`` and part ``w3.weight``) fills expert ``e``'s slice of the parameter
+    ``<module>{experts}{stacked}``, after the rows of ``parts[:i]``. The loader fills such a parameter as
+    ``[num_experts * rows, columns]``, so a checkpoint that stores it already stacked loads as it is.
+    """
+
+    experts: str
+    stacked: str
+    parts: tuple[tuple[str, RowCount], ...]
+
+    def target(self, name: str, config: ModelConfig) -> tuple[str, int] | None:
+        """The stacked parameter and first row a per-expert tensor fills, or None if ``name`` is not one."""
+        start = name.find(self.experts)
+        if start < 0:
+            return None
+        index, _, part = name[start + len(self.experts):].partition(".")
+        if not index.isdigit():
+            return None
+        offsets = dict(self._part_offsets(config))
+        if part not in offsets:
+            return None
+        return name[:start] + self.experts + self.stacked, int(index) * self._rows_per_expert(config) + offsets[part]
+
+    def expected_offsets(self, parameter_name: str, config: ModelConfig) -> list[int] | None:
+        """Every first row a complete checkpoint fills in ``parameter_name``, or None if this rule does not
+        stack it."""
+        if not parameter_name.endswith(self.experts + self.stacked):
+            return None
+        rows_per_expert = self._rows_per_expert(config)
+        return [expert * rows_per_expert + offset for expert in range(config.num_experts)
+                for _, offset in self._part_offsets(config)]
+
+    def _part_offsets(self, config: ModelConfig) -> list[tuple[str, int]]:
+        return FusedWeight(self.stacked, self.parts).offsets(config)
+
+    def _rows_per_expert(self, config: ModelConfig) -> int:
+        return sum(rows(config) for _, rows in self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightMapping:
     """How checkpoint tensor names become ``(parameter name, first row)`` of a model's parameters.
 
     ``renamed_prefixes``: ``(checkpoint prefix, model prefix)`` pairs; the first that starts a name replaces
     its prefix before anything else is looked at (one model class reading several checkpoint layouts).
+    ``renamed_parts``: ``(checkpoint name part, model name part)`` pairs replaced wherever they occur, after
+    the prefixes (Mixtral's ``.block_sparse_moe.`` is the model's ``.mlp.``).
+    ``experts``: per-expert tensors stacked into one parameter per projection (looked at before ``fused``).
     ``skipped_suffixes``: tensors the model recomputes instead of loading (rotary inverse frequencies).
     ``tied_names``: tensors a model with ``tie_word_embeddings`` ignores, since it reuses the embedding.
     ``is_unused``: tensors of parts this config's model does not build (e.g. vision layers past the one
@@ -62,12 +108,17 @@ class WeightMapping:
     tied_names: tuple[str, ...] = ()
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     is_unused: Callable[[str, ModelConfig], bool] | None = None
+    renamed_parts: tuple[tuple[str, str], ...] = ()
+    experts: tuple[ExpertWeight, ...] = ()
 
     def rename(self, name: str) -> str:
         """The checkpoint name in the model's layout."""
         for prefix, model_prefix in self.renamed_prefixes:
             if name.startswith(prefix):
-                return model_prefix + name[len(prefix):]
+                name = model_prefix + name[len(prefix):]
+                break
+        for part, model_part in self.renamed_parts:
+            name = name.replace(part, model_part)
         return name
 
     def is_skipped(self, name: str, config: ModelConfig) -> bool:
@@ -78,6 +129,10 @@ class WeightMapping:
     def target(self, name: str, config: ModelConfig) -> tuple[str, int]:
         """The parameter a checkpoint tensor fills and the row it starts at."""
         name = self.rename(name)
+        for rule in self.experts:
+            stacked = rule.target(name, config)
+            if stacked is not None:
+                return stacked
         for fused in self.fused:
             if not fused.applies_to(name):
                 continue
@@ -87,8 +142,11 @@ class WeightMapping:
         return name, 0
 
     def part_rows(self, name: str, config: ModelConfig) -> int | None:
-        """Rows of the fused parameter that the checkpoint tensor ``name`` fills (None: not a fused part)."""
+        """Rows of the fused parameter that the checkpoint tensor ``name`` fills (None: not a fused part, or
+        a per-expert tensor, which tensor parallelism does not split)."""
         name = self.rename(name)
+        if any(rule.target(name, config) is not None for rule in self.experts):
+            return None
         for fused in self.fused:
             if fused.applies_to(name):
                 for name_part, rows in fused.parts:
@@ -100,6 +158,11 @@ class WeightMapping:
         """Every ``(parameter name, first row)`` a complete checkpoint fills."""
         expected = set()
         for name in parameter_names:
+            stacked = next((offsets for rule in self.experts
+                            if (offsets := rule.expected_offsets(name, config)) is not None), None)
+            if stacked is not None:
+                expected.update((name, offset) for offset in stacked)
+                continue
             fused = next((f for f in self.fused if f.applies_to(name) and f.fused_part in name), None)
             offsets = [offset for _, offset in fused.offsets(config)] if fused else [0]
             expected.update((name, offset) for offset in offsets)
@@ -115,7 +178,8 @@ class ModelEntry:
     class cannot run; the fields every architecture shares are read by ``ModelConfig.from_hf`` itself.
     ``model_types`` are the ``model_type`` values that name this architecture in a config.json that lists
     no ``architectures``. ``text_config(hf)``, for configs that nest the language model's (vision-language
-    models), returns that nested dict, complete, for ``ModelConfig.from_hf`` to read the shared fields from.
+    models), returns that nested dict, complete, for ``ModelConfig.from_hf`` to read the shared fields from;
+    a flat config may use it to fill in its config class's defaults and normalise its rope (Gemma 3).
     The model class is built as ``cls(model_config, attention_backend)``.
     """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -64,21 +65,28 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     """Copy checkpoint tensors into the model's (fused) parameters as ``mapping`` places them; raise
     ConfigError for a tensor with no place or the wrong shape, and if any parameter is left unset."""
     params = dict(model.named_parameters())
-    filled: set[tuple[str, int]] = set()
+    filled: dict[str, list[tuple[int, int]]] = defaultdict(list)  # the row ranges written to each parameter
     for name, tensor in weights:
         if mapping.is_skipped(name, config):
             continue
         target, offset = mapping.target(name, config)
         if target not in params:
             raise ConfigError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        param = params[target]
+        param, shape = params[target].data, tuple(tensor.shape)
+        if param.dim() > 2:  # stacked experts ``[num_experts, rows, columns]`` fill as ``[num_experts * rows, …]``
+            param = param.flatten(0, -2)
+            tensor = tensor.flatten(0, -2) if tensor.dim() > 2 else tensor
         rows = tensor.shape[0]
         if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
-            raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                              f"which does not fit {target} {tuple(param.shape)}")
-        param.data[offset:offset + rows].copy_(tensor)
-        filled.add((target, offset))
-    missing = sorted(mapping.expected_shards(params, config) - filled)
+            raise ConfigError(f"checkpoint tensor {name!r} has shape {shape}, "
+                              f"which does not fit {target} {tuple(params[target].shape)}")
+        param[offset:offset + rows].copy_(tensor)
+        filled[target].append((offset, offset + rows))
+    unfilled = mapping.expected_shards(params, config) - {(target, start) for target, ranges in filled.items()
+                                                          for start, _ in ranges}
+    # a stacked tensor (all experts at once) fills the shards inside its rows too
+    missing = sorted((target, offset) for target, offset in unfilled
+                     if not any(start <= offset < stop for start, stop in filled[target]))
     if missing:
         raise ConfigError("checkpoint is missing weights for: "
                           + ", ".join(f"{name}@{offset}" for name, offset in missing[:8]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from quire.core.lora.request import LoRARequest
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import Logprobs, MultiModalFeature
 
@@ -22,6 +23,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)  # the prompt's images
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclasses.dataclass
@@ -31,6 +33,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Sliding windows: how many leading entries of the request's block table it no longer holds (released to
+    # the pool, wholly before every layer's window); the runner points them at the null block.
+    num_released_blocks: int = 0
 
 
 @dataclasses.dataclass

@@ -41,8 +41,9 @@ class Scheduler:
     """Owns the waiting queue, the running list and every request's KV blocks."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, max_loras: int | None = None):
         self.config = config
+        self.max_loras = max_loras  # with LoRA: most distinct adapters among the running requests
         self.clock = clock  # the clock of Request.arrival_time (wall time, shared by the processes)
         self.kv_cache_manager = kv_cache_manager
         # encoder outputs held by the runner, in placeholder tokens (an item alone may exceed it)
@@ -191,7 +192,8 @@ class Scheduler:
             if encoder_plan is not None:
                 self._commit_encoder_inputs(request, encoder_plan, step)
             step.cached[request.request_id] = CachedRequestData(
-                request.request_id, block_ids, request.num_computed_tokens)
+                request.request_id, block_ids, request.num_computed_tokens,
+                self.kv_cache_manager.num_released_blocks(request.request_id))
             step.add(request.request_id, num_new_tokens)
             num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
             if num_spec > 0:
@@ -205,6 +207,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, step.budget, num_cached)
+            if not self._adapter_fits(request):
+                break  # its adapter waits for a running one to finish
             encoder_plan = None
             if request.mm_features:
                 num_new_tokens, encoder_plan = self._plan_encoder_inputs(
@@ -234,8 +238,18 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 mm_features=request.mm_features,
+                lora_request=request.lora_request,
             ))
             step.add(request.request_id, num_new_tokens)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """With LoRA: a request whose adapter is not running yet starts only while fewer than ``max_loras``
+        adapters run (every running request may be scheduled in one step)."""
+        adapter = request.lora_request
+        if adapter is None or self.max_loras is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return adapter.lora_int_id in running or len(running) < self.max_loras
 
     def _num_spec_tokens(self, request: Request) -> int:
         """How many of the request's proposed tokens it may verify in this step: none before its prompt is
@@ -351,6 +365,9 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_decode_counts.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode_counts.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_counts.num_accepted_tokens_per_pos),
+            max_loras=self.max_loras or 0,
+            running_lora_adapters=_adapter_names(self.running) if self.max_loras else [],
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.max_loras else [],
         )
 
     # -- helpers -----------------------------------------------------------------------------
@@ -443,3 +460,7 @@ class _StepPlan:
         self.budget += num_tokens
         self.total -= num_tokens
         return self.encoder_inputs.pop(request_id, [])
+
+
+def _adapter_names(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -1,4 +1,4 @@
-"""Build small Hugging Face checkpoints (Llama, Qwen2, Qwen3 shapes) with a fixed seed.
+"""Build small Hugging Face checkpoints (Llama, Qwen2, Qwen3, Phi-3 shapes) with a fixed seed.
 
 The tokenizer is a byte-level BPE trained on CPython's own sources (present on every machine), with
 ChatML special tokens and chat template. Weights are random but scaled so that logits are peaked: greedy
@@ -29,7 +29,7 @@ CORPUS_MODULES = ["argparse.py", "dataclasses.py", "enum.py", "functools.py", "i
 class TinyModelSpec:
     """Shape and initialisation of a locally built checkpoint."""
 
-    model_type: str = "llama"  # llama | qwen2 | qwen3
+    model_type: str = "llama"  # llama | qwen2 | qwen3 | phi3
     vocab_size: int = 2048
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -41,6 +41,8 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    # further config.json fields of the model type's (e.g. Phi-3's original_max_position_embeddings)
+    extra_config: dict | None = None
     init_std: float = 0.15
     logit_std: float = 6.0  # the LM head is rescaled so logits have about this spread
     dtype: str = "float32"
@@ -86,6 +88,7 @@ def build_checkpoint(folder: str | Path, spec: TinyModelSpec, tokenizer=None) ->
         extra["rope_scaling"] = dict(spec.rope_scaling)
     eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     extra["rope_theta"] = spec.rope_theta
+    extra.update(spec.extra_config or {})
     config = AutoConfig.for_model(
         spec.model_type,
         # the model may have more embedding rows than the tokenizer has tokens (like Qwen's padding)

@@ -10,7 +10,7 @@ import torch
 
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.errors import ConfigError
-from quire.core.worker.kv_cache import allocate_kv_caches
+from quire.core.worker.kv_cache import allocate_kv_caches, blocks_per_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def profile_kv_blocks(runner) -> int:
     model = config.model
     bytes_per_block = model.kv_bytes_per_token * config.cache.block_size
     num_blocks = max(0, budget) // bytes_per_block
-    needed = -(-model.max_model_len // config.cache.block_size) + 1
+    needed = blocks_per_sequence(model, config.cache.block_size, config.scheduler.max_num_batched_tokens) + 1
     logger.info("GPU memory: %.2f GiB total, peak of a profiled step %.2f GiB, other %.2f GiB: %d KV blocks",
                 total / 2**30, peak / 2**30, not_torch / 2**30, num_blocks)
     if num_blocks < needed:

@@ -32,6 +32,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # the LoRA adapter's id (0: the base model)
         # Python objects per row (not numeric); None or empty where unused.
         self.seeds: list[int | None] = [None] * max_num_reqs
         self.min_tokens_blocked_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
@@ -43,7 +44,8 @@ class InputBatch:
         self._row_arrays = [self.token_ids, self.num_tokens, self.num_prompt_tokens,
                             self.num_computed_tokens, self.block_table, self.num_blocks,
                             self.temperature, self.top_k, self.top_p, self.min_p, self.min_tokens,
-                            self.presence_penalty, self.frequency_penalty, self.repetition_penalty]
+                            self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                            self.lora_ids]
         self._row_lists = [self.seeds, self.min_tokens_blocked_ids, self.bad_words_token_ids,
                            self.allowed_token_ids, self.logit_bias, self.num_logprobs,
                            self.num_prompt_logprobs]
@@ -73,6 +75,7 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.seeds[row] = params.seed
+        self.lora_ids[row] = data.lora_request.lora_int_id if data.lora_request is not None else 0
         blocked = set(params.stop_token_ids)
         if not params.ignore_eos:
             blocked.update(data.eos_token_ids)

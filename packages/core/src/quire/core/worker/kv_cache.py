@@ -10,14 +10,28 @@ from quire.core.errors import ConfigError
 DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
 
 
-def num_kv_blocks(model: ModelConfig, cache: CacheConfig, max_num_seqs: int) -> int:
+def blocks_per_sequence(model: ModelConfig, block_size: int, max_num_batched_tokens: int | None = None) -> int:
+    """The most blocks one request holds: its whole context, or, where every layer attends within a window
+    (``ModelConfig.kv_cache_sliding_window``, whose older blocks the KV-cache manager releases), the window
+    before a step's first new token and that step's tokens (at most ``max_num_batched_tokens``), partly
+    filled blocks at both ends included."""
+    whole = -(-model.max_model_len // block_size)
+    window = model.kv_cache_sliding_window
+    if window is None or max_num_batched_tokens is None:
+        return whole
+    span = window - 1 + min(max_num_batched_tokens, model.max_model_len)
+    return min(whole, (span + 2 * block_size - 2) // block_size)
+
+
+def num_kv_blocks(model: ModelConfig, cache: CacheConfig, max_num_seqs: int,
+                  max_num_batched_tokens: int | None = None) -> int:
     """How many blocks (including the reserved null block) the budget buys.
 
     Without an explicit ``kv_cache_memory`` the budget is what ``max_num_seqs`` full-length sequences
-    need, capped at 4 GiB.
+    need (``blocks_per_sequence``: less with sliding windows), capped at 4 GiB.
     """
     bytes_per_block = model.kv_bytes_per_token * cache.block_size
-    blocks_per_seq = -(-model.max_model_len // cache.block_size)
+    blocks_per_seq = blocks_per_sequence(model, cache.block_size, max_num_batched_tokens)
     budget = cache.kv_cache_memory
     if budget is None:
         budget = min(DEFAULT_KV_CACHE_MEMORY, (max_num_seqs * blocks_per_seq + 1) * bytes_per_block)

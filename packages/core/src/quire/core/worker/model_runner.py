@@ -12,6 +12,8 @@ from quire.core.attention import get_attention_backend
 from quire.core.attention.metadata import AttentionMetadata
 from quire.core.config import EngineConfig, ModelConfig
 from quire.core.distributed.group import TensorParallelGroup
+from quire.core.errors import ConfigError
+from quire.core.lora.request import LoRARequest
 from quire.core.models import get_model_entry
 from quire.core.models.layers import quantize_int8
 from quire.core.models.weights import iterate_weight_shards, iterate_weights, load_weights
@@ -79,6 +81,12 @@ class ModelRunner:
         backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)(model_config.dtype, str(self.device))
         self.model = load_model(model_config, self.attn_backend, self.device, self.group)
+        self.lora = None  # with LoRA: the adapters' slots, and every adapter a request has named
+        self.lora_adapters: dict[int, LoRARequest] = {}
+        if config.lora is not None:
+            from quire.core.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, model_config, config.lora, self.device)
         logger.info("compute kernels: %s; attention backend: %s", describe_kernels(self.device), backend)
         max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, model_config.max_model_len,
@@ -96,12 +104,14 @@ class ModelRunner:
         config = self.config
         if self.device.type == "cuda" and config.cache.kv_cache_memory is None:
             return profile_kv_blocks(self)
-        return num_kv_blocks(config.model, config.cache, config.scheduler.max_num_seqs)
+        return num_kv_blocks(config.model, config.cache, config.scheduler.max_num_seqs,
+                             config.scheduler.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size, self.device)
-        if (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.attn_backend.capabilities.supports_cuda_graphs):
+        # NOTE: no graphs for mixtures of experts: their layers read each expert's row count on the host
+        if (self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
+                and self.attn_backend.capabilities.supports_cuda_graphs and self.config.model.num_experts == 0):
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, self.config.scheduler.max_num_seqs,
                 self.input_batch.block_table.shape[1], self.config.model.max_model_len, self.block_size,
@@ -116,6 +126,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens, spec_tokens)
+        if self.lora is not None:
+            self._prepare_lora(inputs, scheduler_output)
         embeds = self._input_embeds(inputs) if self.encoder_outputs is not None else None
         timings.mark("prepare_inputs")
         hidden = self._forward(inputs, embeds)
@@ -130,6 +142,14 @@ class ModelRunner:
             self._sample(inputs.sampling_rows, logits, output, scheduler_output.grammar_bitmask)
         timings.mark("sampling")
         return output
+
+    def _prepare_lora(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> None:
+        """Put this step's adapters in their slots and tell the LoRA layers which token rows use each."""
+        for data in scheduler_output.new_requests:
+            if data.lora_request is not None:
+                self.lora_adapters[data.lora_request.lora_int_id] = data.lora_request
+        token_lora_ids = np.repeat(self.input_batch.lora_ids[inputs.rows], np.diff(inputs.query_start_loc))
+        self.lora.prepare_step(token_lora_ids, self.lora_adapters)
 
     def _input_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
         """Input embeddings with the images' encoder outputs on their placeholder tokens (None: no image
@@ -268,6 +288,8 @@ class ModelRunner:
         for data in scheduler_output.cached_requests:
             row = batch.index[data.request_id]
             batch.append_blocks(row, data.new_block_ids)
+            if data.num_released_blocks:  # NOTE: another request may own those blocks now; block 0 is null
+                batch.block_table[row, :data.num_released_blocks] = 0
             batch.num_computed_tokens[row] = data.num_computed_tokens
         for request_id, proposal in scheduler_output.scheduled_spec_decode_tokens.items():
             row = batch.index[request_id]  # the proposals follow the known tokens, which they do not extend
@@ -340,6 +362,10 @@ def load_model(model_config: ModelConfig, attn_backend, device: torch.device,
                group: TensorParallelGroup | None = None) -> torch.nn.Module:
     """The model of ``model_config`` on ``device``, its weights loaded (this rank's shard with a group of
     several ranks), quantized as configured, prepacked for the device's kernels, in eval mode."""
+    if model_config.has_sliding_window and not attn_backend.capabilities.supports_sliding_window:
+        raise ConfigError(f"{model_config.architecture} has sliding-window attention layers (window "
+                          f"{model_config.sliding_window}), which the {attn_backend.name!r} attention backend does "
+                          "not run: use attention_backend='torch', or a max_model_len of at most the window")
     entry = get_model_entry(model_config.architecture)
     sharded = group is not None and group.world_size > 1
     with device:  # parameters and buffers are created on the device

@@ -11,6 +11,10 @@ running softmax are kept in float32 (online softmax, base 2).
 - ``paged_prefill``: one program per (request, tile of its queries, query head) for variable-length
   batches; query ``j`` of a request with ``seq_len`` cached tokens and ``query_len`` queries sits at
   position ``seq_len - query_len + j`` and attends causally. Decodes in a mixed batch run here too.
+
+With a ``sliding_window`` W, the query at position p sees keys p - W + 1 .. p only, and neither kernel reads
+a key before the window of its first query (those blocks may belong to other requests by then): a decode's
+partitions cover its last W tokens, a prefill tile starts from its first query's window.
 """
 
 from __future__ import annotations
@@ -63,20 +67,36 @@ def _softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.const
 
 
 @triton.jit
+def _softmax_step_guarded(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """``_softmax_step`` for tiles where a row may have no visible key yet (sliding windows): such a row keeps
+    its zeros instead of turning NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _weighted_values(p, v, UPCAST, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr,
-    part_lse_ptr, qk_scale, partition_size,
+    part_lse_ptr, qk_scale, partition_size, window,
     stride_q_token, stride_q_head, stride_block_table, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
+    if HAS_WINDOW:  # the partitions cover the last `window` tokens, every one of them visible
+        start = tl.maximum(seq_len - window, 0) + split * partition_size
+    else:
+        start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
     group = tl.arange(0, GROUP_PAD)
@@ -145,8 +165,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for ``query [B, Hq, D]`` (one query per request) over ``seq_lens [B]`` cached tokens.
+                 out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention for ``query [B, Hq, D]`` (one query per request) over ``seq_lens [B]`` cached tokens (the
+    last ``sliding_window`` of them, if given).
 
     ``block_tables [B, max_blocks]`` and ``seq_lens`` are integer tensors on the query's device;
     ``max_seq_len`` bounds every ``seq_lens`` (it sets the number of partitions). A request with
@@ -164,6 +185,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if query.stride(-1) != 1:
         query = query.contiguous()
     block_dim = max(16, next_power_of_2(head_dim))
+    if sliding_window is not None:
+        max_seq_len = min(max_seq_len, sliding_window)  # the most tokens a request reads
     num_splits = decode_num_splits(num_seqs, num_kv_heads, max_seq_len)
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // 64) * 64 if num_splits > 1 else partition  # whole tiles per partition
@@ -174,11 +197,12 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse, scale * _LOG2E,
-        partition, query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        partition, sliding_window or 0, query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_DIM=block_dim,
         BLOCK_SIZE=block_size, BLOCK_N=_block_n(block_dim), NUM_SPLITS=num_splits,
-        UPCAST=upcast_dots(query.dtype), PRECISION=_precision(query.dtype), num_warps=4,
+        UPCAST=upcast_dots(query.dtype), PRECISION=_precision(query.dtype), HAS_WINDOW=sliding_window is not None,
+        num_warps=4,
     )
     if num_splits > 1:
         _merge_partitions_kernel[(num_seqs, num_heads)](
@@ -191,11 +215,12 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_q_token, stride_q_head, stride_block_table, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -220,7 +245,10 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DIM], tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)  # the tile's last position + 1
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if HAS_WINDOW:  # the first key the tile's first query sees
+        kv_start = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < kv_end
         kv_rows = _kv_rows(block_tables_ptr, seq * stride_block_table, offs, n_mask, kv_head, stride_cache_block,
@@ -229,8 +257,14 @@ def _paged_prefill_kernel(
         k = tl.load(key_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = _scores(q, k, qk_scale, UPCAST, PRECISION)
-        s = tl.where(n_mask[None, :] & (offs[None, :] <= positions[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, UPCAST, PRECISION)
+        visible = n_mask[None, :] & (offs[None, :] <= positions[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs[None, :] > positions[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step_guarded(s, v, m_i, l_i, acc, UPCAST, PRECISION)
+        else:
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
@@ -239,7 +273,8 @@ def _paged_prefill_kernel(
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                  scale: float, max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, max_query_len: int, out: torch.Tensor | None = None,
+                  sliding_window: int | None = None) -> torch.Tensor:
     """Attention for a flat batch of queries ``[T, Hq, D]``: request ``i`` owns rows
     ``query_start_loc[i]:query_start_loc[i + 1]`` and has ``seq_lens[i]`` cached tokens (its new keys
     included). ``max_query_len`` bounds every request's query count. Returns ``[T, Hq, D]``."""
@@ -259,11 +294,11 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_m = 64 if max_query_len > 32 else 16
     _paged_prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_m), num_heads)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale * _LOG2E,
-        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        sliding_window or 0, query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_DIM=block_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=_block_n(block_dim), UPCAST=upcast_dots(query.dtype), PRECISION=_precision(query.dtype),
-        num_warps=4, num_stages=2,
+        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2,
     )
     return out
 

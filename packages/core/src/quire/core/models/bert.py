@@ -1,0 +1,179 @@
+"""The BERT encoder (sentence-transformers checkpoints such as all-MiniLM-L6-v2): whole prompts in, every
+token's last hidden state out, for pooling into embeddings.
+
+Module names mirror transformers' ``BertModel``, except that q/k/v are fused into ``attention.qkv_proj`` and
+``LayerNorm`` is spelled ``layer_norm`` (the registry entry's weight mapping does both); the pooler is not
+built. Attention is bidirectional within each prompt: there is no KV cache, so every prompt runs whole in
+one call, and the model takes no attention backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quire.core.config import ModelConfig
+from quire.core.models.layers import Embedding, Linear
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def _layer_norm(size: int, eps: float, dtype: torch.dtype) -> nn.LayerNorm:
+    return nn.LayerNorm(size, eps, dtype=dtype).requires_grad_(False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedLayout:
+    """Where each token of a flat batch sits in a ``[num_prompts, max_len]`` padded batch, so attention runs
+    as one call over all prompts with the padding keys masked out.
+
+    ``prompt_index`` and ``position_in_prompt``: ``[num_tokens]``; ``key_mask``: ``[num_prompts, 1, 1, max_len]``,
+    True where a key is one of the prompt's own tokens.
+    """
+
+    prompt_index: torch.Tensor
+    position_in_prompt: torch.Tensor
+    key_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, query_start_loc: list[int], num_tokens: int, device: torch.device) -> PaddedLayout:
+        if (len(query_start_loc) < 2 or query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens
+                or any(stop <= start for start, stop in zip(query_start_loc, query_start_loc[1:]))):
+            raise ValueError(f"query_start_loc must rise from 0 to the {num_tokens} tokens, one or more tokens "
+                             f"per prompt; got {query_start_loc}")
+        lengths = [stop - start for start, stop in zip(query_start_loc, query_start_loc[1:])]
+        lengths_tensor = torch.tensor(lengths, device=device)
+        starts = torch.tensor(query_start_loc[:-1], device=device)
+        prompt_index = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_tensor,
+                                               output_size=num_tokens)
+        position_in_prompt = torch.arange(num_tokens, device=device) - starts[prompt_index]
+        key_mask = torch.arange(max(lengths), device=device) < lengths_tensor.unsqueeze(1)
+        return cls(prompt_index, position_in_prompt, key_mask[:, None, None, :])
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, …]`` → ``[num_prompts, max_len, …]`` (zeros in the padding)."""
+        num_prompts, max_len = self.key_mask.shape[0], self.key_mask.shape[-1]
+        padded = flat.new_zeros(num_prompts, max_len, *flat.shape[1:])
+        padded[self.prompt_index, self.position_in_prompt] = flat
+        return padded
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """``[num_prompts, max_len, …]`` → ``[num_tokens, …]``."""
+        return padded[self.prompt_index, self.position_in_prompt]
+
+
+class BertEmbeddings(nn.Module):
+    """Word + token type + absolute position embeddings, then a LayerNorm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.word_embeddings = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.position_embeddings = Embedding(config.max_position_embeddings, config.hidden_size, dtype)
+        self.token_type_embeddings = Embedding(config.num_token_types, config.hidden_size, dtype)
+        self.layer_norm = _layer_norm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids)
+        if token_type_ids is None:  # every token of type 0, as transformers defaults them
+            embeddings = embeddings + self.token_type_embeddings.weight[0]
+        else:
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        return self.layer_norm(embeddings + self.position_embeddings(positions))
+
+
+class DenseLayerNorm(nn.Module):
+    """``layer_norm(dense(x) + residual)``: the post-norm ending of BERT's attention and MLP blocks."""
+
+    def __init__(self, in_features: int, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.dense = Linear(in_features, config.hidden_size, True, dtype)
+        self.layer_norm = _layer_norm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    """Bidirectional multi-head self-attention within each prompt, with its output projection and LayerNorm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size, True, dtype)
+        self.output = DenseLayerNorm(config.hidden_size, config, dtype)
+
+    def forward(self, hidden: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = layout.pad(self.qkv_proj(hidden).view(num_tokens, 3, self.num_heads, self.head_dim))
+        query, key, value = qkv.permute(2, 0, 3, 1, 4)  # each [prompts, heads, max_len, head_dim]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=layout.key_mask)
+        out = layout.unpad(out.transpose(1, 2)).reshape(num_tokens, -1)
+        return self.output(out, hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.intermediate_size, True, dtype)
+        self.activation = _ACTIVATIONS[config.encoder_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    """Post-norm encoder layer: ``x = ln(x + attn(x))``, then ``x = ln(x + mlp(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.attention = BertAttention(config, dtype)
+        self.intermediate = BertIntermediate(config, dtype)
+        self.output = DenseLayerNorm(config.intermediate_size, config, dtype)
+
+    def forward(self, hidden: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+        hidden = self.attention(hidden, layout)
+        return self.output(self.intermediate(hidden), hidden)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, dtype) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """``forward`` maps a flat batch of whole prompts to every token's last hidden state ``[num_tokens,
+    hidden_size]``; pooling (``quire.kernels.pooling``) turns those into one vector per prompt."""
+
+    def __init__(self, config: ModelConfig, attention_backend: object = None):
+        super().__init__()
+        del attention_backend  # the registry builds every model with one; an encoder keeps no KV cache to page
+        dtype = getattr(torch, config.dtype)
+        self.embeddings = BertEmbeddings(config, dtype)
+        self.encoder = BertEncoder(config, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, query_start_loc: list[int],
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``, ``positions`` (0 … n-1 within each prompt, below ``max_position_embeddings``) and
+        ``token_type_ids`` (None: all 0) are ``[num_tokens]``; prompt ``i`` owns tokens
+        ``query_start_loc[i] : query_start_loc[i + 1]`` and sees exactly those."""
+        layout = PaddedLayout.build(query_start_loc, input_ids.shape[0], input_ids.device)
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, layout)
+        return hidden
+
+    def prepack(self) -> None:
+        """After loading: reorder linear weights for the device's fastest matrix multiply."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
