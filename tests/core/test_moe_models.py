@@ -14,9 +14,8 @@ from quire.core.errors import ConfigError
 from quire.core.models.moe import SparseMoeBlock
 from quire.kernels import moe
 from quire.offline import LLM, SamplingParams
-from tests.core.reference import hf_greedy_with_margins
+from tests.core.reference import BF16_MARGIN, assert_bfloat16_agrees, hf_greedy_with_margins
 from tests.core.test_transformers_equality import (
-    BF16_MARGIN,
     FLOAT32_MIN_MARGIN,
     MAX_MODEL_LEN,
     NUM_NEW_TOKENS,
@@ -126,17 +125,16 @@ def test_bfloat16_greedy_matches_transformers_where_margins_are_clear(moe_checkp
                                                                       prompts, arch, mode):
     reference = hf_reference(arch, "bfloat16")
     quire_ids = run_quire(moe_checkpoint(arch), "bfloat16", prompts, mode)
-    num_compared = 0
-    for prompt, got, (expected, margins) in zip(prompts, quire_ids, reference):
-        for step, (mine, theirs, margin) in enumerate(zip(got, expected, margins)):
-            if mine != theirs:
-                float32_token, float32_margin = hf_float32_next(arch, prompt + expected[:step])
-                assert min(margin, float32_margin) <= BF16_MARGIN or mine == float32_token, (
-                    f"prompt of {len(prompt)} tokens: step {step} differs with a clear margin {margin:.3f} "
-                    f"(float32: {float32_margin:.3f}), and float32 picks {float32_token}, not {mine}")
-                break
-            num_compared += 1
-    assert num_compared >= len(prompts) * NUM_NEW_TOKENS // 2, f"only {num_compared} tokens compared"
+    def excuse(prompt, before, token, margin):
+        """The MoE checkpoints' bfloat16 noise is larger than the dense ones' (see the module docstring):
+        a step may also differ where float32's own margin is small, or where Quire picks float32's token."""
+        float32_token, float32_margin = hf_float32_next(arch, prompt + before)
+        if float32_margin <= BF16_MARGIN or token == float32_token:
+            return None
+        return (f"differs with a clear margin {margin:.3f} (float32: {float32_margin:.3f}), and float32 picks "
+                f"{float32_token}, not {token}")
+
+    assert_bfloat16_agrees(prompts, quire_ids, reference, NUM_NEW_TOKENS, excuse)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

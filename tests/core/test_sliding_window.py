@@ -18,8 +18,8 @@ from quire.core.testing.checkpoints import TinyModelSpec, build_checkpoint
 from quire.core.worker.kv_cache import blocks_per_sequence
 from quire.core.worker.model_runner import load_model
 from quire.offline import LLM, SamplingParams
+from tests.core.reference import assert_bfloat16_agrees
 from tests.core.test_transformers_equality import (
-    BF16_MARGIN,
     FLOAT32_MIN_MARGIN,
     MAX_MODEL_LEN,
     NUM_NEW_TOKENS,
@@ -151,14 +151,7 @@ def test_float32_greedy_equals_transformers(mistral_checkpoint, hf_reference, pr
 
 def test_bfloat16_greedy_matches_transformers_where_margins_are_clear(mistral_checkpoint, hf_reference, prompts):
     quire_ids = run_quire(mistral_checkpoint, "bfloat16", prompts, "chunked")
-    num_compared = 0
-    for prompt, got, (expected, margins) in zip(prompts, quire_ids, hf_reference("bfloat16")):
-        for step, (mine, theirs, margin) in enumerate(zip(got, expected, margins)):
-            if mine != theirs:
-                assert margin <= BF16_MARGIN, f"prompt of {len(prompt)} tokens: step {step} differs, margin {margin}"
-                break
-            num_compared += 1
-    assert num_compared >= len(prompts) * NUM_NEW_TOKENS // 2, f"only {num_compared} tokens compared"
+    assert_bfloat16_agrees(prompts, quire_ids, hf_reference("bfloat16"), NUM_NEW_TOKENS)
 
 
 def test_blocks_held_by_a_long_request_stop_growing_past_the_window(mistral_checkpoint, corpus_token_ids):

@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from quire.core.config import ModelConfig
 from quire.offline import LLM, SamplingParams
+from tests.core.reference import assert_bfloat16_agrees
 
 PROMPT_LENS = (1, 3, 17, 64, 100, 177, 256, 300)
 NUM_NEW_TOKENS = 32
 FLOAT32_MIN_MARGIN = 1e-3
-BF16_MARGIN = 0.1
 MAX_MODEL_LEN = 336  # longest prompt + new tokens, rounded up to whole blocks
 
 
@@ -86,15 +86,7 @@ def test_bfloat16_greedy_matches_transformers_where_margins_are_clear(
         tiny_checkpoint, hf_reference, prompts, arch, mode):
     reference = hf_reference(arch, "bfloat16")
     quire_ids = run_quire(tiny_checkpoint(arch), "bfloat16", prompts, mode)
-    num_compared = 0
-    for prompt, got, (expected, margins) in zip(prompts, quire_ids, reference):
-        for step, (mine, theirs, margin) in enumerate(zip(got, expected, margins)):
-            if mine != theirs:
-                assert margin <= BF16_MARGIN, (
-                    f"prompt of {len(prompt)} tokens: step {step} differs with a clear margin {margin:.3f}")
-                break  # the sequences diverged; later steps no longer compare like with like
-            num_compared += 1
-    assert num_compared >= len(prompts) * NUM_NEW_TOKENS // 2, f"only {num_compared} tokens compared"
+    assert_bfloat16_agrees(prompts, quire_ids, reference, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
