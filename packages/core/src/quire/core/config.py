@@ -103,8 +103,8 @@ class ModelConfig:
     # layer is windowed when ``sliding_window`` is set.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
-    # Encoders (BERT) attend both ways (``is_causal`` False): every token sees every token of its own request, so
-    # a request's whole prompt runs in one step, keeps no KV cache and is pooled, never sampled. Their LayerNorm
+    # Encoders (BERT) attend both ways (``is_causal`` False): every token sees every token of its own request
+    # (they compute embeddings; the generating engine refuses them). Their LayerNorm
     # epsilon, number of token types (segments A/B) and MLP activation ("gelu": exact erf; "gelu_tanh": the tanh
     # approximation; "relu") come from config.json.
     is_causal: bool = True

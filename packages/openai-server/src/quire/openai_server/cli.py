@@ -72,8 +72,8 @@ def settings_from_args(args) -> tuple[EngineArgs, ServerSettings]:
         chat_template=_read_template(args.chat_template), max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, request_timeout=args.request_timeout,
         enable_debug_routes=args.enable_debug_routes, tool_call_parser=engine_args.tool_call_parser,
-        reasoning_parser=engine_args.reasoning_parser, enable_lora=engine_args.enable_lora,
-        max_lora_rank=engine_args.max_lora_rank, lora_modules=tuple(args.lora_modules),
+        reasoning_parser=engine_args.reasoning_parser, max_lora_rank=engine_args.max_lora_rank,
+        lora_modules=tuple(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     return engine_args, settings

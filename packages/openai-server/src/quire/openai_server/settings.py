@@ -25,9 +25,8 @@ class ServerSettings:
     version: str = "0.1.0"
     tool_call_parser: str | None = None  # the engine option, read by the chat route
     reasoning_parser: str | None = None
-    # LoRA (the engine's enable_lora and max_lora_rank, read by the adapter routes): adapters served from the
-    # start as (name, folder), and whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
-    enable_lora: bool = False
+    # LoRA (the engine's max_lora_rank, read by the adapter routes): adapters served from the start as
+    # (name, folder), and whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False

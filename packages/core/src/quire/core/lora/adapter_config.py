@@ -50,10 +50,6 @@ class AdapterConfig:
     scaling: float
     tensors: tuple[tuple[int, str, str, str, str], ...]
 
-    @property
-    def target_modules(self) -> list[str]:
-        return sorted({proj for _, _, proj, _, _ in self.tensors})
-
 
 def projection_shape(model: ModelConfig, proj: str) -> tuple[int, int]:
     """``(out_features, in_features)`` of a Llama-shaped model's projection, by PEFT's name for it."""

@@ -59,9 +59,6 @@ class LoRALinear(nn.Module):
             column += rank
         self.slots[slot] = (a_t, b_t)
 
-    def clear_slot(self, slot: int) -> None:
-        self.slots[slot] = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         for slot, rows in self.batch.groups:

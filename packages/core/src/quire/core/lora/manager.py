@@ -36,7 +36,6 @@ class LoRAManager:
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # least recent first
         self._host: collections.OrderedDict[int, tuple[LoRARequest, AdapterWeights, float]] = (
             collections.OrderedDict())
-        self.num_loads = 0  # adapters read from disk
 
     def prepare_step(self, token_lora_ids: np.ndarray, adapters: dict[int, LoRARequest]) -> None:
         """``token_lora_ids``: the adapter id of each token row of the step (0: the base model)."""
@@ -77,7 +76,6 @@ class LoRAManager:
             self._host.move_to_end(adapter.lora_int_id)
             return cached[1], cached[2]
         weights, scaling = load_adapter(adapter.lora_path, self.config.max_lora_rank, self.model_config)
-        self.num_loads += 1
         self._host[adapter.lora_int_id] = (adapter, weights, scaling)
         while len(self._host) > (self.config.max_cpu_loras or self.config.max_loras):
             self._host.popitem(last=False)
