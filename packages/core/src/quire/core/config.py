@@ -15,6 +15,7 @@ from typing import Any
 
 from quire.core.errors import ConfigError
 from quire.core.models.registry import architecture_for_model_type, get_model_entry
+from quire.core.pooling_config import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -369,6 +370,9 @@ class SchedulerConfig:
     # Seconds a request may wait before its first step; older ones finish with "queue_timeout" (None: no
     # limit). Preempted requests, which have started, are exempt.
     max_queue_time: float | None = None
+    # Encoder models (bidirectional attention, no KV cache): a prompt runs whole in one step or waits; no
+    # chunking, so ``max_num_batched_tokens`` is at least ``max_model_len``.
+    whole_prompts: bool = False
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -550,6 +554,9 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
     lora: LoRAConfig | None = None  # LoRA adapters (None: off)
+    # "generate" (text out) or "embed" (pooling requests: one vector per prompt, with ``pooling``'s pooling).
+    task: str = "generate"
+    pooling: PoolingConfig | None = None
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """This config as engine ``rank`` of its data-parallel group receives it."""

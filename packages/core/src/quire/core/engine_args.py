@@ -31,6 +31,7 @@ from quire.core.errors import ConfigError
 from quire.core.models.registry import get_model_entry
 from quire.core.parsers.reasoning import REASONING_PARSERS
 from quire.core.parsers.tool_calls import TOOL_PARSERS
+from quire.core.pooling_config import PoolingConfig, override_pooling_config, read_pooling_config
 
 _SCHEDULER = SchedulerConfig()
 _CACHE = CacheConfig()
@@ -202,6 +203,14 @@ class EngineArgs:
     max_lora_rank: int = option(_LORA.max_lora_rank, "Highest rank a LoRA adapter may have.")
     max_cpu_loras: int | None = option(None, "Loaded LoRA adapters kept in host memory for reuse (default: "
                                              "max_loras).")
+    task: str = option("auto", "generate (text out) or embed (pooling requests: one vector per prompt, "
+                               "/v1/embeddings); auto: embed for encoder models and sentence-transformers folders "
+                               "(with modules.json), generate otherwise.", choices=("auto", "generate", "embed"))
+    pooler_config: dict[str, Any] | None = option(
+        None, "An embedding model's pooling, as JSON over what its folder's sentence-transformers files say: "
+              "'{\"pooling_type\": \"mean\", \"normalize\": true}' (pooling_type cls, mean or last; without "
+              "those files: last and normalised for causal models, cls for encoders).",
+        parse=parse_json_object, metavar="JSON")
     limit_mm_per_prompt: dict[str, int] | None = option(
         None, "Most images (or other items) in one prompt, as JSON: '{\"image\": 2}' (default: 999 images).",
         parse=parse_modality_limits, metavar="JSON")
@@ -258,24 +267,31 @@ class EngineArgs:
             model_path = str(builtin_model(self.model) or self.model)
         model = ModelConfig.from_path(model_path, dtype=self.dtype, max_model_len=self.max_model_len,
                                       quantization=self.quantization)
-        if not model.is_causal:
-            raise ConfigError(f"{model.architecture} is an encoder (bidirectional attention, for embeddings): the "
-                              "engine generates with causal models only for now")
+        task, pooling = self._task(model)
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if task == "embed":
+            if pooling.max_seq_length is not None and self.max_model_len is None:  # as sentence-transformers cuts
+                model = dataclasses.replace(model, max_model_len=min(model.max_model_len, pooling.max_seq_length))
+            if not model.is_causal:  # whole prompts in one step: the budget holds the longest
+                max_num_batched_tokens = max(max_num_batched_tokens, model.max_model_len)
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model)
         kv_cache_memory = None if self.kv_cache_memory is None else parse_byte_size(self.kv_cache_memory)
         return EngineConfig(
+            task=task,
+            pooling=pooling,
             model=model,
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_batched_tokens=max_num_batched_tokens,
                                       policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       max_num_queued_reqs=self.max_num_queued_reqs,
                                       max_num_queued_tokens=self.max_num_queued_tokens,
-                                      max_queue_time=self.max_queue_time),
+                                      max_queue_time=self.max_queue_time,
+                                      whole_prompts=not model.is_causal),
             tokenizer=self.tokenizer or model_path,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
@@ -300,6 +316,45 @@ class EngineArgs:
                                     data_parallel_address=self.data_parallel_address,
                                     data_parallel_rpc_port=self.data_parallel_rpc_port),
         )
+
+    def _task(self, model: ModelConfig) -> tuple[str, PoolingConfig | None]:
+        """The engine's task, and for "embed" its pooling: the folder's sentence-transformers config under the
+        ``pooler_config`` option, else the model kind's default."""
+        folder = Path(model.path)
+        folder_pooling = read_pooling_config(folder) if folder.is_dir() else None
+        task = self.task
+        if task == "auto":
+            task = "embed" if not model.is_causal or folder_pooling is not None else "generate"
+        if task == "generate":
+            if not model.is_causal:
+                raise ConfigError(f"{model.architecture} is an encoder (bidirectional attention): it computes "
+                                  "embeddings (task embed), it cannot generate text")
+            if self.pooler_config is not None:
+                raise ConfigError("pooler_config applies to embedding models (task embed)")
+            return task, None
+        options = dict(self.pooler_config or {})
+        unknown = sorted(set(options) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ConfigError(f"pooler_config: unknown key {unknown[0]!r} (known: pooling_type, normalize)")
+        pooling_type, normalize = options.get("pooling_type"), options.get("normalize")
+        if pooling_type is not None:
+            if not isinstance(pooling_type, str):
+                raise ConfigError(f"pooler_config.pooling_type must be a string, got {pooling_type!r}")
+            pooling_type = pooling_type.lower()
+        if normalize is not None and not isinstance(normalize, bool):
+            raise ConfigError(f"pooler_config.normalize must be true or false, got {normalize!r}")
+        if folder_pooling is None and pooling_type is None:  # vLLM's defaults for each kind of model
+            pooling_type = "last" if model.is_causal else "cls"
+        pooling = override_pooling_config(folder_pooling, pooling_type, normalize)
+        refusals = (("speculative_config", self.speculative_config is not None), ("enable_lora", self.enable_lora),
+                    ("tensor_parallel_size > 1", self.tensor_parallel_size > 1))
+        for name, refused in refusals:
+            if refused:
+                raise ConfigError(f"{name} does not apply to embedding models (task embed) for now")
+        if model.is_multimodal:
+            raise ConfigError(f"task embed: {model.architecture} is a vision-language model; embeddings take text "
+                              "models")
+        return task, pooling
 
     def _num_threads_per_engine(self) -> int | None:
         """With several engine cores or tensor-parallel ranks, each process gets its share of the threads

@@ -94,6 +94,48 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
+class EmbeddingOutput:
+    """A pooling request's vector (float32 values as Python floats)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What a pooling (embedding) request returns: one output, when it has finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    finish_reason: str | None = "stop"  # "abort" (an empty vector), "error" or "queue_timeout" otherwise
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """The similarity of two texts: the cosine of their embeddings."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer for one pair: the score and the token ids of both sides."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the first text's, then the second's
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
 class EngineMetrics:
     """The latest scheduler statistics and the timings of recently finished requests."""
 

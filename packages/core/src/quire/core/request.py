@@ -6,6 +6,7 @@ import enum
 import time
 
 from quire.core.lora.request import LoRARequest
+from quire.core.pooling_params import PoolingParams
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import EngineCoreEvent, EventType, FinishReason, MultiModalFeature
 
@@ -56,6 +57,7 @@ class Request:
         bad_words_token_ids: list[list[int]] = (),
         mm_features: list[MultiModalFeature] | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +88,8 @@ class Request:
         self.error_message: str | None = None  # why a FINISHED_ERROR request failed
         # Speculative decoding: tokens proposed to follow ``all_token_ids``, verified in the next step.
         self.spec_token_ids: list[int] = []
+        # A pooling request: pooled (and finished) once its prompt is computed; it samples nothing.
+        self.pooling_params = pooling_params
 
     def record_event(self, event_type: EventType) -> None:
         self.events.append(EngineCoreEvent(event_type, time.monotonic()))

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from quire.core.lora.request import LoRARequest
+from quire.core.pooling_params import PoolingParams
 from quire.core.sampling_params import SamplingParams
 
 
@@ -88,6 +89,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     data_parallel_rank: int | None = None
     # The LoRA adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # A pooling (embedding) request: its prompt runs once and returns one vector, nothing is sampled
+    # (``sampling_params`` is then a placeholder of one token that is never generated).
+    pooling_params: PoolingParams | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -158,6 +162,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: Logprobs | None = None
     events: list[EngineCoreEvent] | None = None
     error_message: str | None = None  # with FinishReason.ERROR: why the engine failed this request
+    pooling_output: TensorData | None = None  # a finished pooling request's vector (float32)
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,9 @@ _EXPORTS = {
     "RequestOutput": "quire.core.outputs",
     "CompletionOutput": "quire.core.outputs",
     "LoRARequest": "quire.core.lora.request",
+    "PoolingParams": "quire.core.pooling_params",
+    "PoolingRequestOutput": "quire.core.outputs",
+    "ScoringRequestOutput": "quire.core.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,11 +19,18 @@ from quire.core.engine.protocol import SyncEngineClient
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import ValidationError
 from quire.core.lora.request import LoRARequest
-from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.outputs import (
+    EngineMetrics,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from quire.core.parsers.output import OutputParser
 from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.parsers.tool_calls import get_tool_parser_class
 from quire.core.parsers.tool_choice import tool_request
+from quire.core.pooling_params import PoolingParams, cosine_similarity
 from quire.core.renderer import ChatPrompt, Conversation, PromptType
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -93,6 +100,66 @@ class LLM:
                                   f"{len(prompt_list)} prompts", param="data_parallel_rank")
         return self._run(prompt_list, params_list, use_tqdm, priority, data_parallel_rank,
                          _per_prompt(lora_request, len(prompt_list), "lora_request"))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (text, token ids or a prompt dict), in input order, from an embedding model
+        (``task="embed"``, or a folder the task is read from): ``outputs[i].outputs.embedding``.
+
+        ``pooling_params`` (one for all prompts, or one per prompt) set ``dimensions`` and ``normalize``;
+        ``truncate_prompt_tokens`` (-1: the model's limit, k: the first k tokens; None: a longer prompt is a
+        ``ValidationError``) applies to every prompt.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _per_prompt(pooling_params if pooling_params is not None else PoolingParams(),
+                                  len(prompt_list), "pooling_params")
+        if not all(isinstance(params, PoolingParams) for params in params_list):
+            raise ValidationError("pooling_params must be PoolingParams", param="pooling_params")
+        if truncate_prompt_tokens is not None:
+            params_list = [msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for params in params_list]
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValidationError(f"got {len(priority)} priorities for {len(prompt_list)} prompts",
+                                  param="priority")
+        return self._run(prompt_list, params_list, use_tqdm, priority)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The similarity (cosine of the embeddings) of text pairs, as vLLM pairs them: one text against one,
+        one ``text_1`` against each of ``text_2``, or ``text_1[i]`` against ``text_2[i]``. Each distinct text
+        is embedded once."""
+        first, second = _score_texts(text_1, "text_1"), _score_texts(text_2, "text_2")
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise ValidationError(f"text_2 must hold one text or as many as text_1 ({len(first)}), got "
+                                  f"{len(second)}", param="text_2")
+        distinct = list(dict.fromkeys(first + second))
+        outputs = self.embed(distinct, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm)
+        by_text = dict(zip(distinct, outputs))
+        results = []
+        for a, b in zip(first, second):
+            left, right = by_text[a], by_text[b]
+            results.append(ScoringRequestOutput(
+                request_id=f"{left.request_id}-{right.request_id}",
+                prompt_token_ids=left.prompt_token_ids + right.prompt_token_ids,
+                outputs=ScoringOutput(cosine_similarity(left.outputs.embedding, right.outputs.embedding))))
+        return results
 
     def chat(
         self,
@@ -176,7 +243,7 @@ class LLM:
         return [msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 for p in sampling_params]
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
              priority: Sequence[int] | None = None,
              data_parallel_rank: Sequence[int | None] | None = None,
              lora_requests: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -190,16 +257,18 @@ class LLM:
                     request_ids, prompts, params, priorities, ranks, adapters):
                 engine.add_request(request_id, prompt, request_params, priority=request_priority,
                                    data_parallel_rank=rank, lora_request=adapter)
-            finished = self._run_engine(len(prompts), use_tqdm)
+            desc = "Embedding" if params and isinstance(params[0], PoolingParams) else "Generating"
+            finished = self._run_engine(len(prompts), use_tqdm, desc)
         except BaseException:
             engine.abort_request(request_ids)
             raise
         return [finished[request_id] for request_id in request_ids]
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_engine(self, num_requests: int, use_tqdm: bool,
+                    desc: str = "Generating") -> dict[str, RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm,
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        progress = tqdm(total=num_requests, desc=desc, unit="req", disable=not use_tqdm,
                         dynamic_ncols=True)
         start = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
@@ -210,13 +279,22 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     num_prompt_tokens += len(output.prompt_token_ids)
-                    num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     progress.set_postfix_str(
                         f"input {num_prompt_tokens / elapsed:.1f} tok/s, "
                         f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
                     progress.update(1)
         return finished
+
+
+def _score_texts(texts: Any, param: str) -> list[str]:
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ValidationError(f"{param} must be a non-empty string or a non-empty list of them", param=param)
+    return list(texts)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

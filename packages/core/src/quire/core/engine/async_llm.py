@@ -21,7 +21,8 @@ from quire.core.engine.protocol import StatLogger
 from quire.core.engine_args import EngineArgs
 from quire.core.errors import EngineDeadError, EngineUtilityError, OverloadedError, ValidationError
 from quire.core.lora.request import LoRARequest
-from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.outputs import EngineMetrics, PoolingRequestOutput, RequestOutput
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType, is_long
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import SchedulerStats
@@ -36,6 +37,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list[StatLogger] | None = None):
         self.config = config
         self.model_config = config.model
+        self.task = config.task  # "generate" or "embed"
         if engine_core is None and config.parallel.uses_engine_group:
             from quire.core.engine.dp_client import DPAsyncClient
 
@@ -100,7 +102,7 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.renderer.tokenizer
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                           timeout: float | None = None, data_parallel_rank: int | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
@@ -117,6 +119,7 @@ class AsyncLLM:
             request, prompt_text = await asyncio.to_thread(*process)
         else:
             request, prompt_text = process[0](*process[1:])
+        params = request.sampling_params  # a pooling request's: one sequence, its output when it finishes
         self.check_admission(params.n, params.n * len(request.prompt_token_ids))
         deadline = None if timeout is None else time.monotonic() + timeout
         collector = RequestOutputCollector(params.output_kind, deadline)
@@ -141,6 +144,21 @@ class AsyncLLM:
         stream = await self.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                                         timeout=timeout, data_parallel_rank=data_parallel_rank,
                                         lora_request=lora_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def encode(self, prompt: PromptType, params: PoolingParams, request_id: str, *, priority: int = 0,
+                     timeout: float | None = None,
+                     data_parallel_rank: int | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        """An embedding engine's pooling request: yield its one ``PoolingRequestOutput``. Raises as
+        ``generate`` does (``ValidationError`` naming ``model`` on an engine whose task is not "embed")."""
+        if not isinstance(params, PoolingParams):
+            raise ValidationError("pooling_params must be a PoolingParams", param="pooling_params")
+        stream = await self.add_request(request_id, prompt, params, priority=priority, timeout=timeout,
+                                        data_parallel_rank=data_parallel_rank)
         try:
             async for output in stream:
                 yield output

@@ -79,7 +79,16 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, request.sampling_params,
             tuple(request.eos_token_ids), request.arrival_time, request.priority,
             request.cache_salt, request.bad_words_token_ids, request.mm_features, request.lora_request,
+            request.pooling_params,
         )
+        if (request.pooling_params is not None) != (self.config.task == "embed"):
+            raise ValueError(f"a {'pooling' if request.pooling_params is not None else 'generation'} request "
+                             f"reached an engine whose task is {self.config.task!r}")
+        if request.pooling_params is not None:
+            # a cached prefix has no hidden states to pool: only last-token pooling of a causal model (whose
+            # last token is always computed) may skip it
+            core_request.skip_prefix_cache = not (self.config.model.is_causal
+                                                  and self.config.pooling.pooling_type == "last")
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             core_request.structured_output = self.structured_outputs.add_request(

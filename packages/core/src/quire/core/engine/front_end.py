@@ -10,6 +10,7 @@ from quire.core.engine.input_processor import InputProcessor
 from quire.core.engine.output_processor import OutputProcessor, ParentRequest
 from quire.core.errors import ValidationError
 from quire.core.lora.request import LoRARequest
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import SamplingParams
 from quire.core.tokenizer import load_tokenizer
@@ -29,10 +30,12 @@ class FrontEnd:
         self.renderer = Renderer(tokenizer, config.model.vocab_size, multimodal)
         self.input_processor = InputProcessor(config.model, self.renderer, max_model_len, config.max_logprobs,
                                               config.structured_outputs_backend, config.reasoning_parser,
-                                              config.parallel.data_parallel_size, config.lora)
+                                              config.parallel.data_parallel_size, config.lora, config.task,
+                                              config.pooling)
         self.output_processor = OutputProcessor(tokenizer, config.stream_interval)
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                arrival_time: float | None,
                 priority: int, cache_salt: str | None,
                 data_parallel_rank: int | None = None,
                 lora_request: LoRARequest | None = None) -> tuple[EngineCoreRequest, str | None]:
@@ -49,7 +52,7 @@ class FrontEnd:
         is seeded ``seed + i``, and only the first computes prompt logprobs (the prompt is shared).
         """
         params = request.sampling_params
-        if params.n == 1:
+        if params.n == 1 or request.pooling_params is not None:
             self.output_processor.add_request(request, prompt_text)
             return [request]
         children = []

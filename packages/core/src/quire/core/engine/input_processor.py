@@ -4,6 +4,7 @@ caller's (HTTP 400) and name the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgspec
@@ -13,8 +14,10 @@ from quire.core.errors import ValidationError
 from quire.core.lora.adapter_config import read_adapter_config
 from quire.core.lora.request import LoRARequest
 from quire.core.parsers.reasoning import get_reasoning_parser_class
+from quire.core.pooling_config import PoolingConfig
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType, RenderedPrompt, Renderer
-from quire.core.sampling_params import SamplingParams
+from quire.core.sampling_params import RequestOutputKind, SamplingParams
 from quire.core.structured_outputs.validation import StructuredOutputValidator
 from quire.core.wire import EngineCoreRequest, MultiModalFeature
 
@@ -25,8 +28,11 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, renderer: Renderer, max_model_len: int | None = None,
                  max_logprobs: int = 20, structured_outputs_backend: str = "auto",
                  reasoning_parser: str | None = None, data_parallel_size: int = 1,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None, task: str = "generate",
+                 pooling: PoolingConfig | None = None):
         self.model_config = model_config
+        self.task = task  # "generate" takes SamplingParams only, "embed" PoolingParams only
+        self.pooling = pooling
         self.lora_config = lora_config
         self.lora_adapters: dict[int, LoRARequest] = {}  # every adapter checked so far, by id
         self.data_parallel_size = data_parallel_size
@@ -49,7 +55,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -57,6 +63,12 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Return the engine request and the prompt text (None when the prompt was token ids)."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority, data_parallel_rank,
+                                         lora_request)
+        if self.task == "embed":
+            raise ValidationError("this model computes embeddings (task embed) and does not generate text: ask "
+                                  "it for embeddings (/v1/embeddings, LLM.embed)", param="model")
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams", param="sampling_params")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -86,6 +98,65 @@ class InputProcessor:
             lora_request=lora_request,
         )
         return request, rendered.text
+
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                         arrival_time: float | None, priority: int, data_parallel_rank: int | None,
+                         lora_request: LoRARequest | None) -> tuple[EngineCoreRequest, str | None]:
+        """A pooling request: its prompt, cut to ``truncate_prompt_tokens`` where asked, and no sampling."""
+        if self.task != "embed":
+            raise ValidationError("this model generates text: start the engine with task embed (--task embed) to "
+                                  "compute embeddings with it", param="model")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
+        if lora_request is not None:
+            raise ValidationError("embedding requests run the base model (no LoRA adapters)", param="lora_request")
+        self._check_data_parallel_rank(data_parallel_rank)
+        rendered = self._render_for_pooling(prompt, params.truncate_prompt_tokens)
+        num_tokens = len(rendered.token_ids)
+        if num_tokens == 0:
+            raise ValidationError(f"{rendered.param} must not be empty", param=rendered.param)
+        if num_tokens > self.max_model_len:
+            raise ValidationError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
+                f"{num_tokens} tokens. Please reduce the length of the input, or truncate it "
+                "(truncate_prompt_tokens).", param=rendered.param, code="context_length_exceeded")
+        hidden_size = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise ValidationError(f"dimensions must be at most the model's {hidden_size}, got {params.dimensions}",
+                                  param="dimensions")
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=rendered.token_ids,
+            sampling_params=_POOLING_SAMPLING,
+            eos_token_ids=[],
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            pooling_params=params,
+        )
+        return request, rendered.text
+
+    def _render_for_pooling(self, prompt: PromptType, keep: int | None) -> RenderedPrompt:
+        """An embedding prompt as token ids: text lowercased if the model folder says so, and with
+        ``truncate_prompt_tokens`` its first tokens (a text prompt is tokenized with truncation, which keeps
+        its closing special tokens, as sentence-transformers does)."""
+        limit = self.max_model_len if keep in (None, -1) else min(keep, self.max_model_len)
+        add_special_tokens = True
+        if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt \
+                and prompt.get("multi_modal_data") is None:
+            add_special_tokens = prompt.get("add_special_tokens", True)
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str) and prompt:
+            text = prompt.lower() if self.pooling is not None and self.pooling.lowercase_input else prompt
+            if keep is None:
+                return RenderedPrompt(self.renderer.tokenize(text, add_special_tokens), prompt)
+            token_ids = self.renderer.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
+                                                       max_length=limit)
+            return RenderedPrompt(token_ids, prompt)
+        rendered = self.renderer.render(prompt)
+        if keep is not None:
+            rendered = dataclasses.replace(rendered, token_ids=rendered.token_ids[:limit])
+        return rendered
 
     def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
         """A LoRA adapter this engine can apply: the folder is read once per id (an id names one adapter)."""
@@ -179,6 +250,10 @@ class InputProcessor:
             if constraint is not params.structured_outputs:
                 params = msgspec.structs.replace(params, structured_outputs=constraint)
         return params
+
+
+# A pooling request samples nothing: the engine core's request still carries sampling params, these.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _shift_features(features: list[MultiModalFeature] | None, num_dropped: int) -> list[MultiModalFeature] | None:

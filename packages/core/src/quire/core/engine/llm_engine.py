@@ -15,6 +15,7 @@ from quire.core.engine_args import EngineArgs
 from quire.core.errors import ConfigError, EngineDeadError, EngineUtilityError
 from quire.core.lora.request import LoRARequest
 from quire.core.outputs import EngineMetrics, RequestOutput
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import SchedulerStats
@@ -51,6 +52,7 @@ class LLMEngine:
                  multiprocess: bool | None = None):
         self.config = config
         self.model_config = config.model
+        self.task = config.task  # "generate" or "embed"
         self.engine_core = engine_core or make_sync_client(config, multiprocess)
         self.max_model_len = self.engine_core.max_model_len
         self.front_end = FrontEnd(config, self.max_model_len)
@@ -86,11 +88,13 @@ class LLMEngine:
         if self.errored:
             raise self.dead_error
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, data_parallel_rank: int | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children.
+        """Validate and queue a request; with ``params.n > 1`` it runs as ``n`` seeded children. With
+        ``PoolingParams`` (an embedding engine) it is a pooling request: ``step`` returns its
+        ``PoolingRequestOutput`` once it has finished.
         ``data_parallel_rank`` pins it to that engine core (with ``data_parallel_size`` > 1);
         ``lora_request`` names its LoRA adapter (with ``enable_lora``)."""
         request, prompt_text = self.front_end.process(request_id, prompt, params, arrival_time, priority,

@@ -105,7 +105,8 @@ class RequestStream:
         if output.finished:
             self._finished = True
             self._engine.collectors.pop(self.request_id, None)
-            reasons = {c.finish_reason for c in output.outputs}
+            reasons = ({c.finish_reason for c in output.outputs} if isinstance(output, RequestOutput)
+                       else {output.finish_reason})
             if "error" in reasons:
                 raise EngineGenerateError(f"the engine failed request {self.request_id!r}")
             if "queue_timeout" in reasons:

@@ -13,7 +13,13 @@ import time
 from quire.core.engine.detokenizer import IncrementalDetokenizer
 from quire.core.engine.logprobs import LogprobsAccumulator
 from quire.core.errors import ValidationError
-from quire.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from quire.core.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from quire.core.sampling_params import RequestOutputKind
 from quire.core.wire import EngineCoreOutput, EngineCoreRequest, EventType, FinishReason
 
@@ -39,6 +45,9 @@ class RequestState:
     # Tokens that end a request and whose text is left out (EOS unless ignore_eos, stop token ids): a
     # request that stops on anything else (its grammar terminated) keeps its last token's text.
     stop_token_ids: frozenset[int] = frozenset()
+    # A pooling request: no text, one vector at the end (None until it arrives).
+    is_pooling: bool = False
+    embedding: list[float] | None = None
 
     @property
     def user_request_id(self) -> str:
@@ -90,6 +99,7 @@ class OutputProcessor:
                                    engine_index=request.data_parallel_rank or 0),
             stream_interval=max(self.stream_interval, params.stream_interval or 1),
             stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else request.eos_token_ids),
+            is_pooling=request.pooling_params is not None,
         )
         if params.structured_outputs is not None:
             self.request_states[request.request_id].metrics.structured_output_backend = \
@@ -179,6 +189,10 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens
         if output.new_prompt_logprobs is not None:
             state.logprobs.add_prompt(output.new_prompt_logprobs)
+        if output.pooling_output is not None:
+            state.embedding = output.pooling_output.to_array().tolist()
+            state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+            return
         new_token_ids = output.new_token_ids
         if not new_token_ids:
             if output.finished:  # finished without a token: an engine-side error
@@ -213,8 +227,16 @@ class OutputProcessor:
         if state.parent is not None and state.parent.is_finished:
             self.parent_requests.pop(state.parent.request_id, None)
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
         finished = state.finish_reason is not None
+        if state.is_pooling:
+            if not finished:
+                return None
+            return PoolingRequestOutput(
+                request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                outputs=EmbeddingOutput(state.embedding or []), finished=True,
+                num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+                finish_reason=str(state.finish_reason))
         parent = state.parent
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None

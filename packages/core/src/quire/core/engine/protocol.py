@@ -14,7 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 from quire.core.config import ModelConfig
 from quire.core.errors import EngineDeadError
 from quire.core.lora.request import LoRARequest
-from quire.core.outputs import EngineMetrics, RequestMetrics, RequestOutput
+from quire.core.outputs import EngineMetrics, PoolingRequestOutput, RequestMetrics, RequestOutput
+from quire.core.pooling_params import PoolingParams
 from quire.core.renderer import PromptType, Renderer
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import SchedulerStats
@@ -59,6 +60,7 @@ class EngineClientBase(Protocol):
     model_config: ModelConfig
     max_model_len: int
     renderer: Renderer
+    task: str  # "generate" (SamplingParams requests) or "embed" (PoolingParams requests)
 
     @property
     def errored(self) -> bool: ...
@@ -86,7 +88,7 @@ class EngineClient(EngineClientBase, Protocol):
     Utility calls raise ``EngineUtilityError`` whatever the transport.
     """
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, *,
                           arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                           timeout: float | None = None, data_parallel_rank: int | None = None,
                           lora_request: LoRARequest | None = None) -> OutputStream:
@@ -100,6 +102,12 @@ class EngineClient(EngineClientBase, Protocol):
                  data_parallel_rank: int | None = None,
                  lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """``add_request`` and iterate its outputs until the request finishes."""
+
+    def encode(self, prompt: PromptType, params: PoolingParams, request_id: str, *, priority: int = 0,
+               timeout: float | None = None,
+               data_parallel_rank: int | None = None) -> AsyncIterator[PoolingRequestOutput]:
+        """An embedding engine's pooling request (``add_request`` with ``PoolingParams``): yield its one
+        ``PoolingRequestOutput``."""
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests by their user ids (unknown or finished ids are ignored); their consumers get a
@@ -133,7 +141,7 @@ class SyncEngineClient(EngineClientBase, Protocol):
     """A client driven by its caller: ``add_request``, then ``step()`` until ``has_unfinished_requests()``
     is false. Errors as ``EngineClient``'s."""
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, data_parallel_rank: int | None = None,
                     lora_request: LoRARequest | None = None) -> None: ...

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from quire.core.lora.request import LoRARequest
+from quire.core.pooling_params import PoolingParams
 from quire.core.sampling_params import SamplingParams
 from quire.core.wire import Logprobs, MultiModalFeature
 
@@ -24,6 +25,7 @@ class NewRequestData:
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] = dataclasses.field(default_factory=list)  # the prompt's images
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled once its prompt is computed
 
 
 @dataclasses.dataclass
@@ -75,3 +77,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, Logprobs] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = dataclasses.field(default_factory=dict)
+    # Pooling requests whose prompt this step completed: their vectors (numpy float32, 1-D).
+    pooled: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -34,7 +34,7 @@ from quire.core.sched.output import (
 )
 from quire.core.sched.request_queue import make_request_queue
 from quire.core.sched.stop import check_stop
-from quire.core.wire import EngineCoreOutput, EventType, SchedulerStats
+from quire.core.wire import EngineCoreOutput, EventType, SchedulerStats, TensorData
 
 
 class Scheduler:
@@ -207,6 +207,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, step.budget, num_cached)
+            if self.config.whole_prompts and num_new_tokens < request.num_tokens - request.num_computed_tokens:
+                break  # an encoder's prompt runs whole: it waits for a step with room for all of it
             if not self._adapter_fits(request):
                 break  # its adapter waits for a running one to finish
             encoder_plan = None
@@ -239,6 +241,7 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 mm_features=request.mm_features,
                 lora_request=request.lora_request,
+                pooling_params=request.pooling_params,
             ))
             step.add(request.request_id, num_new_tokens)
 
@@ -266,7 +269,7 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0, num_spec: int = 0) -> int:
         num_new_tokens = min(request.num_tokens + num_spec - request.num_computed_tokens - num_cached, budget)
         threshold = self.config.long_prefill_token_threshold
-        if threshold and self.num_unfinished_requests > 1:
+        if threshold and self.num_unfinished_requests > 1 and not self.config.whole_prompts:
             num_new_tokens = min(num_new_tokens, threshold)
         return num_new_tokens
 
@@ -314,6 +317,16 @@ class Scheduler:
         """Append sampled tokens, decide stops, free finished requests; return per-request outputs (and
         those of requests that timed out in the queue during ``schedule``)."""
         outputs, self._early_outputs = self._early_outputs, []
+        for request_id, vector in runner_output.pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.status = RequestStatus.FINISHED_STOPPED
+            self.running.remove(request)
+            self._free(request)
+            outputs.append(EngineCoreOutput(
+                request_id, [], request.status.finish_reason, num_cached_tokens=request.num_cached_tokens or 0,
+                events=request.take_events(), pooling_output=TensorData.from_array(vector)))
         for request_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:

@@ -29,6 +29,7 @@ from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
 from quire.core.worker.rejection_sampler import RejectionSampler
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
+from quire.kernels.pooling import truncate_and_normalize
 
 
 class _NoTimings:
@@ -97,17 +98,23 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.encoder_outputs = EncoderOutputs(self.model, self.device) if model_config.is_multimodal else None
         self.mrope = MRopePositions(self.model) if getattr(self.model, "uses_mrope", False) else None
+        # Pooling requests (task "embed") being computed, by id: what their chunks have pooled so far.
+        self.pooling: dict[str, PoolingState] = {}
 
     def num_kv_blocks(self) -> int:
         """KV blocks to allocate: from ``kv_cache_memory`` or the CPU default, or on CUDA devices from a
         profiled forward pass and ``gpu_memory_utilization``."""
         config = self.config
+        if not config.model.is_causal:  # an encoder keeps no KV: blocks only count each prompt's tokens
+            return config.scheduler.max_num_seqs * -(-config.model.max_model_len // self.block_size) + 1
         if self.device.type == "cuda" and config.cache.kv_cache_memory is None:
             return profile_kv_blocks(self)
         return num_kv_blocks(config.model, config.cache, config.scheduler.max_num_seqs,
                              config.scheduler.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if not self.config.model.is_causal:
+            return  # an encoder keeps no KV cache
         self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size, self.device)
         # NOTE: no graphs for mixtures of experts: their layers read each expert's row count on the host
         if (self.device.type == "cuda" and not self.config.enforce_eager and self.lora is None
@@ -131,6 +138,10 @@ class ModelRunner:
         embeds = self._input_embeds(inputs) if self.encoder_outputs is not None else None
         timings.mark("prepare_inputs")
         hidden = self._forward(inputs, embeds)
+        if self.pooling:
+            output = ModelRunnerOutput({}, pooled=self._pool(inputs, hidden))
+            timings.mark("forward")
+            return output  # an embedding engine runs pooling requests only
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
@@ -158,8 +169,26 @@ class ModelRunner:
         return self.encoder_outputs.input_embeds(inputs.input_ids, request_ids, inputs.query_start_loc,
                                                  inputs.positions)
 
+    def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, np.ndarray]:
+        """Feed each pooling request's chunk to its pooling; return the vectors of those whose prompt this step
+        completed (truncated to their ``dimensions`` and normalised as asked), as float32 numpy arrays."""
+        batch, pooled = self.input_batch, {}
+        ends = (batch.num_computed_tokens[inputs.rows] + np.diff(inputs.query_start_loc)
+                == batch.num_tokens[inputs.rows])
+        for i, row in enumerate(inputs.rows.tolist()):
+            request_id = batch.req_ids[row]
+            state = self.pooling[request_id]
+            start, stop = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
+            state.add_chunk(hidden[start:stop], int(inputs.positions[start]))
+            if ends[i]:
+                pooled[request_id] = state.finish().cpu().numpy()
+        return pooled
+
     def _forward(self, inputs: StepInputs, embeds: torch.Tensor | None = None) -> torch.Tensor:
         positions = inputs.positions
+        if not self.config.model.is_causal:  # an encoder: whole prompts, each attending to itself only
+            return self.model(inputs.input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True),
+                              inputs.query_start_loc.tolist())
         if self.mrope is not None:  # rotary positions: three rows while a prompt with images is computed
             request_ids = [self.input_batch.req_ids[row] for row in inputs.rows.tolist()]
             positions = self.mrope.positions(request_ids, inputs.query_start_loc, positions)
@@ -270,6 +299,8 @@ class ModelRunner:
 
     def remove_requests(self, request_ids) -> None:
         self.input_batch.remove_many(request_ids)
+        for request_id in request_ids:
+            self.pooling.pop(request_id, None)
         if self.encoder_outputs is not None:
             self.encoder_outputs.remove_requests(request_ids)
         if self.mrope is not None:
@@ -280,6 +311,12 @@ class ModelRunner:
         self.remove_requests(scheduler_output.finished_request_ids)
         for data in scheduler_output.new_requests:
             batch.add(data)
+            if data.pooling_params is not None:
+                pooling = self.config.pooling
+                params = data.pooling_params
+                self.pooling[data.request_id] = PoolingState(
+                    pooling.pooling_type, params.dimensions,
+                    pooling.normalize if params.normalize is None else params.normalize)
         if self.encoder_outputs is not None:
             self.encoder_outputs.update(scheduler_output)
         if self.mrope is not None:
@@ -315,6 +352,8 @@ class ModelRunner:
         num_spec = np.array([len(spec_tokens.get(batch.req_ids[row], ())) for row in rows.tolist()],
                             dtype=np.int64) if spec_tokens else np.zeros(len(rows), dtype=np.int64)
         samples = seq_lens == batch.num_tokens[rows] + num_spec
+        if self.pooling:  # pooling requests sample nothing
+            samples &= np.array([batch.req_ids[row] not in self.pooling for row in rows.tolist()], dtype=bool)
         # each sampling row's logits: its last token's, after those of the known token and proposals before it
         sampling_spec = num_spec[samples]
         logits_indices = (np.repeat(query_start_loc[1:][samples] - 1 - sampling_spec, sampling_spec + 1)
@@ -342,6 +381,39 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(self.device, non_blocking=True),
             num_spec=sampling_spec,
         )
+
+
+class PoolingState:
+    """One pooling request's pooling, chunk by chunk (a causal model's prompt may be computed in several
+    steps): the first token ("cls"), a float32 running sum ("mean") or the latest token ("last")."""
+
+    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool):
+        self.pooling_type = pooling_type
+        self.dimensions = dimensions
+        self.normalize = normalize
+        self.value: torch.Tensor | None = None
+        self.num_tokens = 0
+        self.dtype = torch.float32  # the model's, for the mean
+
+    def add_chunk(self, hidden: torch.Tensor, first_position: int) -> None:
+        """``hidden`` ``[chunk_len, hidden_size]``: the hidden states of prompt tokens ``first_position …``."""
+        if self.pooling_type == "last":
+            self.value = hidden[-1]
+        elif self.pooling_type == "cls":
+            if first_position == 0:
+                self.value = hidden[0]
+        else:
+            self.dtype = hidden.dtype
+            chunk_sum = hidden.float().sum(dim=0)
+            self.value = chunk_sum if self.value is None else self.value + chunk_sum
+            self.num_tokens += hidden.shape[0]
+
+    def finish(self) -> torch.Tensor:
+        """The pooled vector, float32, truncated and normalised."""
+        value = self.value
+        if self.pooling_type == "mean":  # averaged in float32, then in the model's dtype as one pass would
+            value = (value / self.num_tokens).to(self.dtype)
+        return truncate_and_normalize(value[None], self.dimensions, self.normalize)[0]
 
 
 def _split_bitmask(grammar_bitmask: tuple[list[str], np.ndarray] | None, speculating: set[str]):
