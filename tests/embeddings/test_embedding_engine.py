@@ -52,6 +52,11 @@ def test_dimensions_and_normalize(minilm_llm, sentence_transformers_model):
     # Matryoshka: the first 64 values of the pooled vector, normalised afterwards
     cut = raw[:, :64] / np.linalg.norm(raw[:, :64], axis=-1, keepdims=True)
     np.testing.assert_allclose(short, cut, rtol=0, atol=1e-6)
+    # requests of one step with different options (each pooled on its own)
+    mixed = minilm_llm.embed(sentences[:2], [PoolingParams(dimensions=64), PoolingParams(normalize=False)],
+                             use_tqdm=False)
+    np.testing.assert_allclose(mixed[0].outputs.embedding, short[0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(mixed[1].outputs.embedding, raw[1], rtol=0, atol=1e-6)
 
 
 def test_score_is_the_cosine_of_the_embeddings(minilm_llm):

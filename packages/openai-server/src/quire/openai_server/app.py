@@ -14,6 +14,17 @@ from quire.core.lora.request import LoRARequest
 from quire.core.renderer import is_long
 from quire.openai_server.chat import chat_prompt, create_chat_completion
 from quire.openai_server.completions import create_completion
+from quire.openai_server.embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    create_embedding,
+    create_rerank,
+    create_score,
+)
 from quire.openai_server.errors import APIError, install_error_handlers
 from quire.openai_server.metrics import CONTENT_TYPE, ServerMetrics
 from quire.openai_server.middleware import ServerMiddleware
@@ -53,6 +64,7 @@ def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     _add_generation_routes(app)
+    _add_pooling_routes(app)
     _add_service_routes(app)
     if settings.enable_lora_runtime_updates:
         _add_lora_routes(app)
@@ -83,13 +95,37 @@ def get_state(request: Request) -> ServerState:
 def _add_generation_routes(router: FastAPI) -> None:
     @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+        state.check_task("generate")
         result = await create_completion(state, body, request)
         return Response(status_code=_DISCONNECTED) if result is None else result
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                state: ServerState = Depends(get_state)):
+        state.check_task("generate")
         result = await create_chat_completion(state, body, request)
+        return Response(status_code=_DISCONNECTED) if result is None else result
+
+
+def _add_pooling_routes(router: FastAPI) -> None:
+    """An embedding model's routes (``--task embed``); a generative model answers them with a 400."""
+
+    @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(get_state)):
+        result = await create_embedding(state, body, request)
+        return Response(status_code=_DISCONNECTED) if result is None else result
+
+    @router.post("/score", response_model=ScoreResponse, responses=ERRORS)
+    @router.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
+    async def score(body: ScoreRequest, request: Request, state: ServerState = Depends(get_state)):
+        result = await create_score(state, body, request)
+        return Response(status_code=_DISCONNECTED) if result is None else result
+
+    @router.post("/rerank", response_model=RerankResponse, responses=ERRORS)
+    @router.post("/v1/rerank", response_model=RerankResponse, responses=ERRORS)
+    @router.post("/v2/rerank", response_model=RerankResponse, responses=ERRORS)
+    async def rerank(body: RerankRequest, request: Request, state: ServerState = Depends(get_state)):
+        result = await create_rerank(state, body, request)
         return Response(status_code=_DISCONNECTED) if result is None else result
 
 

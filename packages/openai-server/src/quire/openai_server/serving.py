@@ -78,6 +78,19 @@ class ServerState:
                            code="model_not_found", param="model")
         return adapter
 
+    def check_task(self, task: str) -> None:
+        """A 400 naming ``model`` unless the engine serves ``task`` ("generate" for chat and completions,
+        "embed" for embeddings, score and rerank), checked before anything reaches the engine."""
+        if self.engine.task == task:
+            return
+        if task == "embed":
+            message = (f"the model `{self.model_name}` generates text and serves no embeddings; start the "
+                       "server with --task embed on an embedding model")
+        else:
+            message = (f"the model `{self.model_name}` is an embedding model: it serves embedding, score and "
+                       "rerank requests, not text generation")
+        raise ValidationError(message, param="model", code="unsupported_value")
+
     def load_lora_modules(self) -> None:
         """The adapters of ``--lora-modules``, checked against the engine's model (at start-up)."""
         for name, path in self.settings.lora_modules:

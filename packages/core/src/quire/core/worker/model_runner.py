@@ -29,7 +29,7 @@ from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
 from quire.core.worker.rejection_sampler import RejectionSampler
 from quire.core.worker.sampler import Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
-from quire.kernels.pooling import truncate_and_normalize
+from quire.kernels.pooling import pool, truncate_and_normalize
 
 
 class _NoTimings:
@@ -173,8 +173,15 @@ class ModelRunner:
         """Feed each pooling request's chunk to its pooling; return the vectors of those whose prompt this step
         completed (truncated to their ``dimensions`` and normalised as asked), as float32 numpy arrays."""
         batch, pooled = self.input_batch, {}
-        ends = (batch.num_computed_tokens[inputs.rows] + np.diff(inputs.query_start_loc)
-                == batch.num_tokens[inputs.rows])
+        computed = batch.num_computed_tokens[inputs.rows]
+        ends = computed + np.diff(inputs.query_start_loc) == batch.num_tokens[inputs.rows]
+        states = [self.pooling[batch.req_ids[row]] for row in inputs.rows.tolist()]
+        if ends.all() and not computed.any() and len({s.options for s in states}) == 1:
+            # whole prompts pooled alike (an encoder's steps, short prompts): one batched reduction
+            first = states[0]
+            vectors = truncate_and_normalize(pool(hidden, inputs.query_start_loc, first.pooling_type),
+                                             first.dimensions, first.normalize).cpu().numpy()
+            return {batch.req_ids[row]: vectors[i] for i, row in enumerate(inputs.rows.tolist())}
         for i, row in enumerate(inputs.rows.tolist()):
             request_id = batch.req_ids[row]
             state = self.pooling[request_id]
@@ -394,6 +401,10 @@ class PoolingState:
         self.value: torch.Tensor | None = None
         self.num_tokens = 0
         self.dtype = torch.float32  # the model's, for the mean
+
+    @property
+    def options(self) -> tuple[str, int | None, bool]:
+        return self.pooling_type, self.dimensions, self.normalize
 
     def add_chunk(self, hidden: torch.Tensor, first_position: int) -> None:
         """``hidden`` ``[chunk_len, hidden_size]``: the hidden states of prompt tokens ``first_position …``."""
