@@ -71,3 +71,22 @@ def test_prepacked_linear_equals_float32_accumulation(rows):
     packed = linear_ops.prepack(weight)
     got = linear_ops.linear(x, None, bias, packed)
     torch.testing.assert_close(got.float(), reference(x, weight, bias).float(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gelu_and_residual_add_match_the_unfused_ops(dtype):
+    from quire.kernels.linear import can_prepack, linear, linear_add, linear_gelu, prepack
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=generator).to(dtype)
+    weight = (torch.randn(96, 64, generator=generator) * 0.2).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    residual = torch.randn(37, 96, generator=generator).to(dtype)
+    packed = prepack(weight) if can_prepack(weight) else None
+    reference = x.float() @ weight.float().T + bias.float()
+    tolerance = {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    torch.testing.assert_close(linear_gelu(x, weight, bias, packed).float(),
+                               torch.nn.functional.gelu(reference), **tolerance)
+    torch.testing.assert_close(linear_add(x, weight, bias, residual, packed).float(),
+                               reference + residual.float(), **tolerance)
+    torch.testing.assert_close(linear(x, weight, bias, packed).float(), reference, **tolerance)

@@ -48,8 +48,7 @@ def prepack(weight: torch.Tensor) -> PackedLinear:
     """``(x, bias) -> x @ weight.T + bias`` from ``weight`` (``[out, in]``) prepared once for this CPU's
     fastest bfloat16 path (only when ``can_prepack(weight)``)."""
     if bf16_path() == "onednn":
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        return functools.partial(_onednn_linear, packed)
+        return OneDNNLinear(torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT))
     return KernelLinear(weight)
 
 
@@ -67,8 +66,37 @@ class KernelLinear:
         return self._kernel(x, self.weight, bias)
 
 
-def _onednn_linear(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+class OneDNNLinear:
+    """A weight in oneDNN's blocked layout (the ``onednn`` path); oneDNN can also apply GELU or add another
+    tensor in the multiply's epilogue, before the result is rounded to bfloat16."""
+
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def gelu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "gelu", [], "none")  # "none": erf GELU
+
+    def add(self, x: torch.Tensor, bias: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, bias, "add")
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                packed: PackedLinear | None = None) -> torch.Tensor:
+    """``gelu(x @ weight.T + bias)`` (exact, erf GELU), fused into the multiply on the ``onednn`` path."""
+    if isinstance(packed, OneDNNLinear):
+        return packed.gelu(x, bias)
+    return F.gelu(linear(x, weight, bias, packed))
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, other: torch.Tensor,
+               packed: PackedLinear | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias + other`` (a residual), fused into the multiply on the ``onednn`` path."""
+    if isinstance(packed, OneDNNLinear):
+        return packed.add(x, bias, other)
+    return linear(x, weight, bias, packed) + other
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
