@@ -112,6 +112,8 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12
     num_token_types: int = 0
     encoder_activation: str = "gelu"
+    # Cross-encoders (BertForSequenceClassification): the classifier's outputs (0: no classification head).
+    num_labels: int = 0
 
     @property
     def is_multimodal(self) -> bool:

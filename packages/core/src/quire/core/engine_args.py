@@ -203,9 +203,11 @@ class EngineArgs:
     max_lora_rank: int = option(_LORA.max_lora_rank, "Highest rank a LoRA adapter may have.")
     max_cpu_loras: int | None = option(None, "Loaded LoRA adapters kept in host memory for reuse (default: "
                                              "max_loras).")
-    task: str = option("auto", "generate (text out) or embed (pooling requests: one vector per prompt, "
-                               "/v1/embeddings); auto: embed for encoder models and sentence-transformers folders "
-                               "(with modules.json), generate otherwise.", choices=("auto", "generate", "embed"))
+    task: str = option("auto", "generate (text out), embed (pooling requests: one vector per prompt, "
+                               "/v1/embeddings) or score (a cross-encoder's relevance of text pairs, /score and "
+                               "/rerank); auto: score for cross-encoders, embed for other encoder models and "
+                               "sentence-transformers folders (with modules.json), generate otherwise.",
+                       choices=("auto", "generate", "embed", "score"))
     pooler_config: dict[str, Any] | None = option(
         None, "An embedding model's pooling, as JSON over what its folder's sentence-transformers files say: "
               "'{\"pooling_type\": \"mean\", \"normalize\": true}' (pooling_type cls, mean or last; without "
@@ -269,7 +271,7 @@ class EngineArgs:
                                       quantization=self.quantization)
         task, pooling = self._task(model)
         max_num_batched_tokens = self.max_num_batched_tokens
-        if task == "embed":
+        if task != "generate":
             if pooling.max_seq_length is not None and self.max_model_len is None:  # as sentence-transformers cuts
                 model = dataclasses.replace(model, max_model_len=min(model.max_model_len, pooling.max_seq_length))
             if not model.is_causal:  # whole prompts in one step: the budget holds the longest
@@ -319,10 +321,22 @@ class EngineArgs:
 
     def _task(self, model: ModelConfig) -> tuple[str, PoolingConfig | None]:
         """The engine's task, and for "embed" its pooling: the folder's sentence-transformers config under the
-        ``pooler_config`` option, else the model kind's default."""
+        ``pooler_config`` option, else the model kind's default; for "score" (a cross-encoder) its ``[CLS]``."""
         folder = Path(model.path)
-        folder_pooling = read_pooling_config(folder) if folder.is_dir() else None
         task = self.task
+        if model.num_labels:  # a cross-encoder scores text pairs and does nothing else
+            if task not in ("auto", "score"):
+                raise ConfigError(f"{model.architecture} is a cross-encoder: it scores text pairs (task score), not "
+                                  f"task {task}")
+            if self.pooler_config is not None:
+                raise ConfigError("pooler_config applies to embedding models (task embed), not cross-encoders")
+            self._refuse_for_pooling("score")
+            return "score", PoolingConfig("cls", normalize=False, source=f"{model.architecture}'s classifier")
+        if task == "score":
+            raise ConfigError(f"task score runs cross-encoders (BertForSequenceClassification), not "
+                              f"{model.architecture}; an embedding model (task embed) serves /score by cosine "
+                              "similarity")
+        folder_pooling = read_pooling_config(folder) if folder.is_dir() else None
         if task == "auto":
             task = "embed" if not model.is_causal or folder_pooling is not None else "generate"
         if task == "generate":
@@ -346,15 +360,18 @@ class EngineArgs:
         if folder_pooling is None and pooling_type is None:  # vLLM's defaults for each kind of model
             pooling_type = "last" if model.is_causal else "cls"
         pooling = override_pooling_config(folder_pooling, pooling_type, normalize)
-        refusals = (("speculative_config", self.speculative_config is not None), ("enable_lora", self.enable_lora),
-                    ("tensor_parallel_size > 1", self.tensor_parallel_size > 1))
-        for name, refused in refusals:
-            if refused:
-                raise ConfigError(f"{name} does not apply to embedding models (task embed) for now")
+        self._refuse_for_pooling("embed")
         if model.is_multimodal:
             raise ConfigError(f"task embed: {model.architecture} is a vision-language model; embeddings take text "
                               "models")
         return task, pooling
+
+    def _refuse_for_pooling(self, task: str) -> None:
+        refusals = (("speculative_config", self.speculative_config is not None), ("enable_lora", self.enable_lora),
+                    ("tensor_parallel_size > 1", self.tensor_parallel_size > 1))
+        for name, refused in refusals:
+            if refused:
+                raise ConfigError(f"{name} does not apply to pooling models (task {task}) for now")
 
     def _num_threads_per_engine(self) -> int | None:
         """With several engine cores or tensor-parallel ranks, each process gets its share of the threads

@@ -23,14 +23,18 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     - ``truncate_prompt_tokens``: None refuses a prompt longer than the model's limit; ``k`` keeps the first
       ``k`` tokens (a text prompt is tokenized with truncation, so its closing special tokens stay, as
       sentence-transformers does); -1 keeps as many as the model allows.
+
+    ``token_type_start`` is set by the front end for a cross-encoder's text pair: the prompt's tokens from this
+    index on (the second text) have token type 1.
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    token_type_start: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dimensions", "truncate_prompt_tokens"):
+        for name in ("dimensions", "truncate_prompt_tokens", "token_type_start"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValidationError(f"{name} must be an integer, got {value!r}", param=name)
@@ -40,6 +44,9 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 and self.truncate_prompt_tokens != -1:
             raise ValidationError(f"truncate_prompt_tokens must be -1 or at least 1, got "
                                   f"{self.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        if self.token_type_start is not None and self.token_type_start < 1:
+            raise ValidationError(f"token_type_start must be at least 1, got {self.token_type_start}",
+                                  param="token_type_start")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValidationError(f"normalize must be a boolean, got {self.normalize!r}", param="normalize")
 

@@ -139,15 +139,24 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """The similarity (cosine of the embeddings) of text pairs, as vLLM pairs them: one text against one,
-        one ``text_1`` against each of ``text_2``, or ``text_1[i]`` against ``text_2[i]``. Each distinct text
-        is embedded once."""
+        """The relevance of text pairs, as vLLM pairs them: one text against one, one ``text_1`` against each of
+        ``text_2``, or ``text_1[i]`` against ``text_2[i]``. A cross-encoder (task "score") scores each pair in one
+        pass (the sigmoid of its logit); an embedding model gives the cosine of the two texts' embeddings, each
+        distinct text embedded once."""
         first, second = _score_texts(text_1, "text_1"), _score_texts(text_2, "text_2")
         if len(first) == 1:
             first = first * len(second)
         elif len(first) != len(second):
             raise ValidationError(f"text_2 must hold one text or as many as text_1 ({len(first)}), got "
                                   f"{len(second)}", param="text_2")
+        if self.llm_engine.task == "score":
+            params = pooling_params or PoolingParams()
+            if truncate_prompt_tokens is not None:
+                params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+            pairs = [{"text": a, "text_pair": b} for a, b in zip(first, second)]
+            return [ScoringRequestOutput(output.request_id, output.prompt_token_ids,
+                                         ScoringOutput(output.outputs.embedding[0]))
+                    for output in self._run(pairs, [params] * len(pairs), use_tqdm)]
         distinct = list(dict.fromkeys(first + second))
         outputs = self.embed(distinct, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm)

@@ -116,7 +116,7 @@ class RerankResponse(BaseModel):
 
 async def create_embedding(state: ServerState, body: EmbeddingRequest, request: Request):
     """``/v1/embeddings``; None when the client went away."""
-    _check_pooling_request(state, body.model)
+    _check_pooling_request(state, body.model, "embed")
     inputs = embedding_inputs(body.input)
     params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
                            truncate_prompt_tokens=body.truncate_prompt_tokens)
@@ -131,11 +131,18 @@ async def create_embedding(state: ServerState, body: EmbeddingRequest, request: 
 
 
 async def create_score(state: ServerState, body: ScoreRequest, request: Request):
-    """``/score``: the cosine similarity of each ``(text_1, text_2)`` pair; None when the client went away."""
-    _check_pooling_request(state, body.model)
+    """``/score``: the relevance of each ``(text_1, text_2)`` pair (a cross-encoder's, or the cosine similarity
+    of the embeddings); None when the client went away."""
+    _check_pooling_request(state, body.model, "embed", "score")
     pairs = score_pairs(body.text_1, body.text_2)
     params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
     base_id = request_id("score", request, body.request_id)
+    if state.engine.task == "score":
+        scores = await until_disconnect(request, _cross_encode(state, pairs, params, base_id, body.priority, "text_1"))
+        if scores is None:
+            return None
+        data = [ScoreData(index=index, score=score) for index, score in enumerate(scores[0])]
+        return ScoreResponse(id=base_id, model=state.model_name, data=data, usage=_usage(scores[1]))
     named = [("text_1", first) for first, _ in pairs] + [("text_2", second) for _, second in pairs]
     embedded = await until_disconnect(request, _embed_distinct(state, named, params, base_id, body.priority))
     if embedded is None:
@@ -149,21 +156,30 @@ async def create_score(state: ServerState, body: ScoreRequest, request: Request)
 async def create_rerank(state: ServerState, body: RerankRequest, request: Request):
     """``/rerank``: the documents by their similarity to the query, best first (the first ``top_n``); None
     when the client went away."""
-    _check_pooling_request(state, body.model)
+    _check_pooling_request(state, body.model, "embed", "score")
     if not body.documents:
         raise ValidationError("documents must not be empty", param="documents")
     if body.top_n is not None and body.top_n < 0:
         raise ValidationError(f"top_n must be at least 0, got {body.top_n}", param="top_n")
     params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens)
     base_id = request_id("rerank", request, body.request_id)
-    named = [("query", body.query)] + [("documents", document) for document in body.documents]
-    embedded = await until_disconnect(request, _embed_distinct(state, named, params, base_id, body.priority))
-    if embedded is None:
-        return None
-    vectors, outputs = embedded
-    results = [RerankResult(index=index, relevance_score=cosine_similarity(vectors[body.query], vectors[document]),
+    if state.engine.task == "score":
+        pairs = [(body.query, document) for document in body.documents]
+        scored = await until_disconnect(request, _cross_encode(state, pairs, params, base_id, body.priority,
+                                                                "documents"))
+        if scored is None:
+            return None
+        scores, outputs = scored
+    else:
+        named = [("query", body.query)] + [("documents", document) for document in body.documents]
+        embedded = await until_disconnect(request, _embed_distinct(state, named, params, base_id, body.priority))
+        if embedded is None:
+            return None
+        vectors, outputs = embedded
+        scores = [cosine_similarity(vectors[body.query], vectors[document]) for document in body.documents]
+    results = [RerankResult(index=index, relevance_score=score,
                             document=RerankDocument(text=document) if body.return_documents else None)
-               for index, document in enumerate(body.documents)]
+               for index, (document, score) in enumerate(zip(body.documents, scores))]
     results.sort(key=lambda result: -result.relevance_score)  # stable: ties keep the documents' order
     top_n = body.top_n or len(results)
     return RerankResponse(id=base_id, model=state.model_name, usage=RerankUsage(total_tokens=_num_tokens(outputs)),
@@ -249,11 +265,20 @@ async def _embed_distinct(state: ServerState, named: list[tuple[str, str]], para
     return {text: output.outputs.embedding for text, output in zip(fields, outputs)}, outputs
 
 
-def _check_pooling_request(state: ServerState, model: str | None) -> None:
+async def _cross_encode(state: ServerState, pairs: list[tuple[str, str]], params: PoolingParams, base_id: str,
+                        priority: int, field: str) -> tuple[list[float], list[PoolingRequestOutput]]:
+    """A cross-encoder's score of each pair (one request per pair; input errors name ``field``): the scores,
+    and the outputs (for usage)."""
+    prompts = [{"text": first, "text_pair": second} for first, second in pairs]
+    outputs = await embed_all(state, prompts, [field] * len(prompts), params, base_id, priority)
+    return [output.outputs.embedding[0] for output in outputs], outputs
+
+
+def _check_pooling_request(state: ServerState, model: str | None, *tasks: str) -> None:
     if state.check_model(model) is not None:
         raise ValidationError("LoRA adapters do not serve embeddings; name the base model", param="model",
                               code="unsupported_value")
-    state.check_task("embed")
+    state.check_task(*tasks)
 
 
 def _num_tokens(outputs: list[PoolingRequestOutput]) -> int:

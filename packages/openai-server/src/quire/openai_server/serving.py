@@ -78,14 +78,19 @@ class ServerState:
                            code="model_not_found", param="model")
         return adapter
 
-    def check_task(self, task: str) -> None:
-        """A 400 naming ``model`` unless the engine serves ``task`` ("generate" for chat and completions,
-        "embed" for embeddings, score and rerank), checked before anything reaches the engine."""
-        if self.engine.task == task:
+    def check_task(self, *tasks: str) -> None:
+        """A 400 naming ``model`` unless the engine serves one of ``tasks`` ("generate" for chat and completions,
+        "embed" for embeddings, "embed" or "score" for score and rerank), checked before anything reaches the
+        engine."""
+        engine_task = self.engine.task
+        if engine_task in tasks:
             return
-        if task == "embed":
+        if engine_task == "generate":
             message = (f"the model `{self.model_name}` generates text and serves no embeddings; start the "
                        "server with --task embed on an embedding model")
+        elif engine_task == "score":
+            message = (f"the model `{self.model_name}` is a cross-encoder: it serves score and rerank requests "
+                       "only")
         else:
             message = (f"the model `{self.model_name}` is an embedding model: it serves embedding, score and "
                        "rerank requests, not text generation")

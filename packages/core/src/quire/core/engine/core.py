@@ -81,7 +81,7 @@ class EngineCore:
             request.cache_salt, request.bad_words_token_ids, request.mm_features, request.lora_request,
             request.pooling_params,
         )
-        if (request.pooling_params is not None) != (self.config.task == "embed"):
+        if (request.pooling_params is not None) != (self.config.task != "generate"):
             raise ValueError(f"a {'pooling' if request.pooling_params is not None else 'generation'} request "
                              f"reached an engine whose task is {self.config.task!r}")
         if request.pooling_params is not None:

@@ -102,16 +102,27 @@ class InputProcessor:
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
                          arrival_time: float | None, priority: int, data_parallel_rank: int | None,
                          lora_request: LoRARequest | None) -> tuple[EngineCoreRequest, str | None]:
-        """A pooling request: its prompt, cut to ``truncate_prompt_tokens`` where asked, and no sampling."""
-        if self.task != "embed":
+        """A pooling request: its prompt, cut to ``truncate_prompt_tokens`` where asked, and no sampling. A
+        cross-encoder's (task "score") is a text pair, ``{"text": ..., "text_pair": ...}``."""
+        if self.task == "generate":
             raise ValidationError("this model generates text: start the engine with task embed (--task embed) to "
                                   "compute embeddings with it", param="model")
+        is_pair = isinstance(prompt, dict) and "text_pair" in prompt
+        if is_pair != (self.task == "score"):
+            raise ValidationError("this model is a cross-encoder (task score): it scores text pairs (/score, "
+                                  "/rerank, LLM.score)" if self.task == "score" else
+                                  "text pairs are scored by cross-encoders (task score); this model embeds texts",
+                                  param="model")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
         if lora_request is not None:
             raise ValidationError("embedding requests run the base model (no LoRA adapters)", param="lora_request")
         self._check_data_parallel_rank(data_parallel_rank)
-        rendered = self._render_for_pooling(prompt, params.truncate_prompt_tokens)
+        if is_pair:
+            rendered, token_type_start = self._render_pair(prompt, params.truncate_prompt_tokens)
+            params = msgspec.structs.replace(params, token_type_start=token_type_start)
+        else:
+            rendered = self._render_for_pooling(prompt, params.truncate_prompt_tokens)
         num_tokens = len(rendered.token_ids)
         if num_tokens == 0:
             raise ValidationError(f"{rendered.param} must not be empty", param=rendered.param)
@@ -135,6 +146,23 @@ class InputProcessor:
             pooling_params=params,
         )
         return request, rendered.text
+
+    def _render_pair(self, prompt: dict, keep: int | None) -> tuple[RenderedPrompt, int | None]:
+        """A cross-encoder's ``[CLS] text [SEP] text_pair [SEP]`` and where the second text's token type 1 starts;
+        with ``truncate_prompt_tokens`` the tokenizer cuts the longer text first, as sentence-transformers'
+        CrossEncoder does."""
+        texts = []
+        for key in ("text", "text_pair"):
+            text = prompt.get(key)
+            if not isinstance(text, str) or not text:
+                raise ValidationError(f"a text pair needs a non-empty string {key}", param="prompt")
+            texts.append(text.lower() if self.pooling is not None and self.pooling.lowercase_input else text)
+        limit = self.max_model_len if keep in (None, -1) else min(keep, self.max_model_len)
+        encoded = self.renderer.tokenizer(texts[0], texts[1], truncation=keep is not None and "longest_first",
+                                          max_length=limit if keep is not None else None)
+        token_ids, token_types = encoded["input_ids"], encoded.get("token_type_ids")
+        start = token_types.index(1) if token_types and 1 in token_types else None
+        return RenderedPrompt(token_ids, f"{prompt['text']}\n{prompt['text_pair']}"), start
 
     def _render_for_pooling(self, prompt: PromptType, keep: int | None) -> RenderedPrompt:
         """An embedding prompt as token ids: text lowercased if the model folder says so, and with

@@ -164,6 +164,21 @@ register_model(ModelEntry("BertModel", "quire.core.models.bert", "BertModel", be
                           model_types=("bert",)))
 
 
+def bert_classifier_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A BERT cross-encoder: BERT, then the pooler (dense + tanh on ``[CLS]``) and one relevance logit."""
+    num_labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # BertConfig's default: 2
+    if num_labels != 1:
+        raise ConfigError(f"BertForSequenceClassification with {num_labels} labels: Quire runs cross-encoders "
+                          "that score a text pair with one logit (num_labels 1)")
+    return {**bert_fields(hf), "num_labels": num_labels}
+
+
+# The classification head (``bert.pooler.dense``, ``classifier``) is built; an MLM head is not.
+BERT_CLASSIFIER_WEIGHTS = dataclasses.replace(BERT_WEIGHTS, is_unused=lambda name, config: name.startswith("cls."))
+register_model(ModelEntry("BertForSequenceClassification", "quire.core.models.bert", "BertForSequenceClassification",
+                          bert_classifier_fields, BERT_CLASSIFIER_WEIGHTS))
+
+
 # LLaVA-1.5: a CLIP vision tower and a two-layer projector in front of a Llama-shaped language model.
 _LLAVA_TEXT_FIELDS = {"llama": llama_fields, "mistral": mistral_fields, "qwen2": qwen2_fields}
 # transformers 4.x wrote only the sub-config values that differ from their class's defaults (llava-hf's

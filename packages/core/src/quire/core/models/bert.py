@@ -154,3 +154,24 @@ class BertModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder: BERT over a text pair (``[CLS] a [SEP] b [SEP]``, token type 1 on the second text), then
+    transformers' pooler (dense + tanh on ``[CLS]``) and a classifier of ``num_labels`` (1) logits. ``forward`` is
+    ``BertModel``'s; ``classify(cls_hidden)`` maps ``[num_prompts, hidden_size]`` ``[CLS]`` states to logits."""
+
+    def __init__(self, config: ModelConfig, attention_backend: object = None):
+        super().__init__(config, attention_backend)
+        dtype = getattr(torch, config.dtype)
+        self.pooler = BertPooler(config, dtype)
+        self.classifier = Linear(config.hidden_size, config.num_labels, True, dtype)
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler.dense(cls_hidden)))
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size, True, dtype)

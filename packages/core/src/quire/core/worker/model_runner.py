@@ -172,30 +172,48 @@ class ModelRunner:
     def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, np.ndarray]:
         """Feed each pooling request's chunk to its pooling; return the vectors of those whose prompt this step
         completed (truncated to their ``dimensions`` and normalised as asked), as float32 numpy arrays."""
-        batch, pooled = self.input_batch, {}
+        batch = self.input_batch
         computed = batch.num_computed_tokens[inputs.rows]
         ends = computed + np.diff(inputs.query_start_loc) == batch.num_tokens[inputs.rows]
-        states = [self.pooling[batch.req_ids[row]] for row in inputs.rows.tolist()]
+        request_ids = [batch.req_ids[row] for row in inputs.rows.tolist()]
+        states = [self.pooling[request_id] for request_id in request_ids]
         if ends.all() and not computed.any() and len({s.options for s in states}) == 1:
             # whole prompts pooled alike (an encoder's steps, short prompts): one batched reduction
             first = states[0]
             vectors = truncate_and_normalize(pool(hidden, inputs.query_start_loc, first.pooling_type),
-                                             first.dimensions, first.normalize).cpu().numpy()
-            return {batch.req_ids[row]: vectors[i] for i, row in enumerate(inputs.rows.tolist())}
-        for i, row in enumerate(inputs.rows.tolist()):
-            request_id = batch.req_ids[row]
-            state = self.pooling[request_id]
-            start, stop = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
-            state.add_chunk(hidden[start:stop], int(inputs.positions[start]))
-            if ends[i]:
-                pooled[request_id] = state.finish().cpu().numpy()
-        return pooled
+                                             first.dimensions, first.normalize)
+        else:
+            finished = []
+            for i, state in enumerate(states):
+                start, stop = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
+                state.add_chunk(hidden[start:stop], int(inputs.positions[start]))
+                if ends[i]:
+                    finished.append(state.finish())
+            request_ids = [request_id for request_id, end in zip(request_ids, ends.tolist()) if end]
+            if not request_ids:
+                return {}
+            vectors = torch.stack(finished)
+        if self.config.task == "score":  # a cross-encoder: the relevance of each pair from its [CLS] state
+            vectors = torch.sigmoid(self.model.classify(vectors.to(hidden.dtype)).float())
+        vectors = vectors.cpu().numpy()
+        return {request_id: vectors[i] for i, request_id in enumerate(request_ids)}
+
+    def _token_type_ids(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A cross-encoder's token types: 1 on the second text of each pair (None: every token is of type 0)."""
+        starts = [self.pooling[self.input_batch.req_ids[row]].token_type_start for row in inputs.rows.tolist()]
+        if not any(starts):
+            return None
+        types = np.zeros(int(inputs.query_start_loc[-1]), dtype=np.int64)
+        for i, start in enumerate(starts):
+            if start:
+                types[int(inputs.query_start_loc[i]) + start:int(inputs.query_start_loc[i + 1])] = 1
+        return torch.from_numpy(types).to(self.device, non_blocking=True)
 
     def _forward(self, inputs: StepInputs, embeds: torch.Tensor | None = None) -> torch.Tensor:
         positions = inputs.positions
         if not self.config.model.is_causal:  # an encoder: whole prompts, each attending to itself only
             return self.model(inputs.input_ids, torch.from_numpy(positions).to(self.device, non_blocking=True),
-                              inputs.query_start_loc.tolist())
+                              inputs.query_start_loc.tolist(), self._token_type_ids(inputs))
         if self.mrope is not None:  # rotary positions: three rows while a prompt with images is computed
             request_ids = [self.input_batch.req_ids[row] for row in inputs.rows.tolist()]
             positions = self.mrope.positions(request_ids, inputs.query_start_loc, positions)
@@ -323,7 +341,7 @@ class ModelRunner:
                 params = data.pooling_params
                 self.pooling[data.request_id] = PoolingState(
                     pooling.pooling_type, params.dimensions,
-                    pooling.normalize if params.normalize is None else params.normalize)
+                    pooling.normalize if params.normalize is None else params.normalize, params.token_type_start)
         if self.encoder_outputs is not None:
             self.encoder_outputs.update(scheduler_output)
         if self.mrope is not None:
@@ -394,8 +412,10 @@ class PoolingState:
     """One pooling request's pooling, chunk by chunk (a causal model's prompt may be computed in several
     steps): the first token ("cls"), a float32 running sum ("mean") or the latest token ("last")."""
 
-    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool):
+    def __init__(self, pooling_type: str, dimensions: int | None, normalize: bool,
+                 token_type_start: int | None = None):
         self.pooling_type = pooling_type
+        self.token_type_start = token_type_start  # a cross-encoder's pair: where token type 1 starts
         self.dimensions = dimensions
         self.normalize = normalize
         self.value: torch.Tensor | None = None
