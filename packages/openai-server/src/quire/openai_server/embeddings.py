@@ -69,13 +69,18 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # a string: base64 of the little-endian float32 values
 
 
-class EmbeddingResponse(BaseModel):
+class _ListResponse(BaseModel):
+    """What ``/v1/embeddings`` and ``/score`` answers share (their ``data`` differs)."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: PoolingUsage
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingData]
 
 
 class ScoreData(BaseModel):
@@ -84,13 +89,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankDocument(BaseModel):
