@@ -47,8 +47,8 @@ def test_model_type_names_the_architecture_when_none_is_listed(tiny_checkpoint, 
 def test_unknown_architecture_is_refused_clearly(llama_checkpoint, tmp_path):
     hf = json.loads((llama_checkpoint / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": ["GemmaForCausalLM"]}))
-    with pytest.raises(ConfigError, match="'GemmaForCausalLM' is not supported; supported: "
-                                          "BertModel, Gemma3ForCausalLM, LlamaForCausalLM"):
+    supported = "BertForSequenceClassification, BertModel, Gemma3ForCausalLM, LlamaForCausalLM"
+    with pytest.raises(ConfigError, match=f"'GemmaForCausalLM' is not supported; supported: {supported}"):
         ModelConfig.from_hf(tmp_path)
     with pytest.raises(ConfigError, match="GemmaForCausalLM"):
         check_architecture("GemmaForCausalLM")
@@ -83,11 +83,12 @@ def test_registry_and_config_import_no_torch_and_classes_load_lazily():
     assert supported_architectures() == sorted([*ARCHITECTURES, "LlavaForConditionalGeneration",
                                                 "Qwen2_5_VLForConditionalGeneration", "Phi3ForCausalLM",
                                                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                                "BertModel"])
+                                                "BertModel", "BertForSequenceClassification"])
     assert {get_model_class(name).__name__ for name in [*ARCHITECTURES, "Phi3ForCausalLM"]} == {"LlamaForCausalLM"}
     assert get_model_class("LlavaForConditionalGeneration").__name__ == "LlavaForConditionalGeneration"
     assert get_model_class("Gemma3ForCausalLM").__name__ == "Gemma3ForCausalLM"
     assert get_model_class("BertModel").__name__ == "BertModel"
+    assert get_model_class("BertForSequenceClassification").__name__ == "BertForSequenceClassification"
     assert get_model_class("Qwen2_5_VLForConditionalGeneration").__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert {get_model_class(name).__name__ for name in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")} == {
         "MoeForCausalLM"}

@@ -109,7 +109,7 @@ def test_the_task_comes_from_the_folder_or_the_options(minilm_folder, tiny_check
                              ({"pooler_config": {"pooling_type": "max"}}, "pooling_type must be one of"),
                              ({"pooler_config": {"normalize": "yes"}}, "normalize must be true or false"),
                              ({"task": "embed", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-                              "speculative_config does not apply to embedding models")]:
+                              "speculative_config does not apply to pooling models")]:
         with pytest.raises(ConfigError, match=message):
             EngineArgs(model=minilm_folder, **options).create_engine_config()
     with pytest.raises(ConfigError, match="pooler_config applies to embedding models"):

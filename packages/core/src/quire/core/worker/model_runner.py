@@ -180,23 +180,21 @@ class ModelRunner:
         if ends.all() and not computed.any() and len({s.options for s in states}) == 1:
             # whole prompts pooled alike (an encoder's steps, short prompts): one batched reduction
             first = states[0]
-            vectors = truncate_and_normalize(pool(hidden, inputs.query_start_loc, first.pooling_type),
-                                             first.dimensions, first.normalize)
-        else:
-            finished = []
+            vectors = list(truncate_and_normalize(pool(hidden, inputs.query_start_loc, first.pooling_type),
+                                                  first.dimensions, first.normalize))
+        else:  # vectors may differ in length (each request's dimensions)
+            vectors = []
             for i, state in enumerate(states):
                 start, stop = int(inputs.query_start_loc[i]), int(inputs.query_start_loc[i + 1])
                 state.add_chunk(hidden[start:stop], int(inputs.positions[start]))
                 if ends[i]:
-                    finished.append(state.finish())
+                    vectors.append(state.finish())
             request_ids = [request_id for request_id, end in zip(request_ids, ends.tolist()) if end]
             if not request_ids:
                 return {}
-            vectors = torch.stack(finished)
         if self.config.task == "score":  # a cross-encoder: the relevance of each pair from its [CLS] state
-            vectors = torch.sigmoid(self.model.classify(vectors.to(hidden.dtype)).float())
-        vectors = vectors.cpu().numpy()
-        return {request_id: vectors[i] for i, request_id in enumerate(request_ids)}
+            vectors = list(torch.sigmoid(self.model.classify(torch.stack(vectors).to(hidden.dtype)).float()))
+        return {request_id: vector.cpu().numpy() for request_id, vector in zip(request_ids, vectors)}
 
     def _token_type_ids(self, inputs: StepInputs) -> torch.Tensor | None:
         """A cross-encoder's token types: 1 on the second text of each pair (None: every token is of type 0)."""
