@@ -55,6 +55,8 @@ def table(title: str, header: list[str], rows: list[list]) -> None:
 
 
 def _cell(value) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
     return str(value)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from common import workload
+from cpu_performance import table
 
 ENGINES = ("quire", "transformers", "vllm")
 RESULT_MARKER = "PEERS_RESULT "  # starts the worker's one JSON line
@@ -314,20 +315,6 @@ def _runs(values) -> str:
     return ", ".join(f"{value:.1f}" for value in values)
 
 
-def table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n### {title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(_cell(value) for value in row) + " |")
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
-    return str(value)
 
 
 def figures(result: dict, dtype: str, bounds: dict, shape: dict, load: Workload) -> list[float]:
