@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from quire.core.config import ModelConfig
 from quire.core.errors import ValidationError
 from quire.core.outputs import EmbeddingOutput, PoolingRequestOutput
-from quire.core.pooling_params import cosine_similarity
+from quire.core.pooling_params import cosine_similarity, score_pairs
 from quire.core.tokenizer import load_tokenizer
 from quire.openai_server.app import build_app
-from quire.openai_server.embeddings import embedding_inputs, encode_base64, score_pairs
+from quire.openai_server.embeddings import embedding_inputs, encode_base64
 from quire.openai_server.settings import ServerSettings
 from tests.openai_server.fake_engine import FakeEngineClient
 

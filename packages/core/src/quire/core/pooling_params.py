@@ -51,6 +51,24 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValidationError(f"normalize must be a boolean, got {self.normalize!r}", param="normalize")
 
 
+def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing of ``/score`` and ``LLM.score``: one text against one, one against N (``text_1``
+    repeated), or N against N; ``ValidationError`` naming ``text_1`` or ``text_2`` otherwise."""
+    sides = []
+    for name, texts in (("text_1", text_1), ("text_2", text_2)):
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ValidationError(f"{name} must be a non-empty string or a non-empty list of them", param=name)
+        sides.append(list(texts))
+    firsts, seconds = sides
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise ValidationError(f"text_2 must hold one text or as many as text_1 ({len(firsts)}), got "
+                              f"{len(seconds)}", param="text_2")
+    return list(zip(firsts, seconds))
+
+
 def cosine_similarity(a: list[float], b: list[float]) -> float:
     """The cosine of the angle between two vectors (0.0 when either is all zeros); ``ValueError`` when their
     lengths differ."""

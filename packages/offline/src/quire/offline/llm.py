@@ -30,7 +30,7 @@ from quire.core.parsers.output import OutputParser
 from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.parsers.tool_calls import get_tool_parser_class
 from quire.core.parsers.tool_choice import tool_request
-from quire.core.pooling_params import PoolingParams, cosine_similarity
+from quire.core.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from quire.core.renderer import ChatPrompt, Conversation, PromptType
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -143,26 +143,21 @@ class LLM:
         ``text_2``, or ``text_1[i]`` against ``text_2[i]``. A cross-encoder (task "score") scores each pair in one
         pass (the sigmoid of its logit); an embedding model gives the cosine of the two texts' embeddings, each
         distinct text embedded once."""
-        first, second = _score_texts(text_1, "text_1"), _score_texts(text_2, "text_2")
-        if len(first) == 1:
-            first = first * len(second)
-        elif len(first) != len(second):
-            raise ValidationError(f"text_2 must hold one text or as many as text_1 ({len(first)}), got "
-                                  f"{len(second)}", param="text_2")
+        pairs = score_pairs(text_1, text_2)
         if self.llm_engine.task == "score":
             params = pooling_params or PoolingParams()
             if truncate_prompt_tokens is not None:
                 params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-            pairs = [{"text": a, "text_pair": b} for a, b in zip(first, second)]
+            prompts = [{"text": a, "text_pair": b} for a, b in pairs]
             return [ScoringRequestOutput(output.request_id, output.prompt_token_ids,
                                          ScoringOutput(output.outputs.embedding[0]))
-                    for output in self._run(pairs, [params] * len(pairs), use_tqdm)]
-        distinct = list(dict.fromkeys(first + second))
+                    for output in self._run(prompts, [params] * len(prompts), use_tqdm)]
+        distinct = list(dict.fromkeys(text for pair in pairs for text in pair))
         outputs = self.embed(distinct, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm)
         by_text = dict(zip(distinct, outputs))
         results = []
-        for a, b in zip(first, second):
+        for a, b in pairs:
             left, right = by_text[a], by_text[b]
             results.append(ScoringRequestOutput(
                 request_id=f"{left.request_id}-{right.request_id}",
@@ -296,14 +291,6 @@ class LLM:
                         f"output {num_output_tokens / elapsed:.1f} tok/s", refresh=False)
                     progress.update(1)
         return finished
-
-
-def _score_texts(texts: Any, param: str) -> list[str]:
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) and t for t in texts):
-        raise ValidationError(f"{param} must be a non-empty string or a non-empty list of them", param=param)
-    return list(texts)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from quire.core.errors import ValidationError
 from quire.core.outputs import PoolingRequestOutput
-from quire.core.pooling_params import PoolingParams, cosine_similarity
+from quire.core.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from quire.openai_server.protocol import _Request
 from quire.openai_server.serving import ServerState, request_id, until_disconnect
 
@@ -195,22 +195,6 @@ def embedding_inputs(value: EmbeddingInput) -> list[str | list[int]]:
     if not inputs or any(len(item) == 0 for item in inputs):
         raise ValidationError("input must not be empty (nor hold an empty text or token list)", param="input")
     return inputs
-
-
-def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing: one text against one, one against N (``text_1`` repeated), or N against N."""
-    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-    if not firsts:
-        raise ValidationError("text_1 must not be empty", param="text_1")
-    if not seconds:
-        raise ValidationError("text_2 must not be empty", param="text_2")
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    elif len(firsts) != len(seconds):
-        raise ValidationError(f"text_2 must hold one text or as many as text_1 ({len(firsts)}), got "
-                              f"{len(seconds)}", param="text_2")
-    return list(zip(firsts, seconds))
 
 
 def encode_base64(embedding: list[float]) -> str:

@@ -37,7 +37,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, engine_core=None, stat_loggers: list[StatLogger] | None = None):
         self.config = config
         self.model_config = config.model
-        self.task = config.task  # "generate" or "embed"
+        self.task = config.task  # "generate", "embed" or "score"
         if engine_core is None and config.parallel.uses_engine_group:
             from quire.core.engine.dp_client import DPAsyncClient
 

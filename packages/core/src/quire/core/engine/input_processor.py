@@ -31,7 +31,7 @@ class InputProcessor:
                  lora_config: LoRAConfig | None = None, task: str = "generate",
                  pooling: PoolingConfig | None = None):
         self.model_config = model_config
-        self.task = task  # "generate" takes SamplingParams only, "embed" PoolingParams only
+        self.task = task  # "generate" takes SamplingParams only; "embed" and "score" PoolingParams only
         self.pooling = pooling
         self.lora_config = lora_config
         self.lora_adapters: dict[int, LoRARequest] = {}  # every adapter checked so far, by id
@@ -66,9 +66,10 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             return self._process_pooling(request_id, prompt, params, arrival_time, priority, data_parallel_rank,
                                          lora_request)
-        if self.task == "embed":
-            raise ValidationError("this model computes embeddings (task embed) and does not generate text: ask "
-                                  "it for embeddings (/v1/embeddings, LLM.embed)", param="model")
+        if self.task != "generate":
+            raise ValidationError(f"this model is a pooling model (task {self.task}) and does not generate text: "
+                                  "ask it for embeddings or scores (/v1/embeddings, /score, LLM.embed, LLM.score)",
+                                  param="model")
         if not isinstance(params, SamplingParams):
             raise ValidationError("sampling_params must be a SamplingParams", param="sampling_params")
         if not isinstance(priority, int) or isinstance(priority, bool):

@@ -52,7 +52,7 @@ class LLMEngine:
                  multiprocess: bool | None = None):
         self.config = config
         self.model_config = config.model
-        self.task = config.task  # "generate" or "embed"
+        self.task = config.task  # "generate", "embed" or "score"
         self.engine_core = engine_core or make_sync_client(config, multiprocess)
         self.max_model_len = self.engine_core.max_model_len
         self.front_end = FrontEnd(config, self.max_model_len)

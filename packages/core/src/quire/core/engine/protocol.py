@@ -60,7 +60,7 @@ class EngineClientBase(Protocol):
     model_config: ModelConfig
     max_model_len: int
     renderer: Renderer
-    task: str  # "generate" (SamplingParams requests) or "embed" (PoolingParams requests)
+    task: str  # "generate" (SamplingParams requests), "embed" or "score" (PoolingParams requests)
 
     @property
     def errored(self) -> bool: ...

@@ -98,7 +98,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.encoder_outputs = EncoderOutputs(self.model, self.device) if model_config.is_multimodal else None
         self.mrope = MRopePositions(self.model) if getattr(self.model, "uses_mrope", False) else None
-        # Pooling requests (task "embed") being computed, by id: what their chunks have pooled so far.
+        # Pooling requests (tasks "embed" and "score") being computed, by id: what their chunks have pooled so far.
         self.pooling: dict[str, PoolingState] = {}
 
     def num_kv_blocks(self) -> int:
@@ -141,7 +141,7 @@ class ModelRunner:
         if self.pooling:
             output = ModelRunnerOutput({}, pooled=self._pool(inputs, hidden))
             timings.mark("forward")
-            return output  # an embedding engine runs pooling requests only
+            return output  # a pooling engine runs pooling requests only: nothing samples
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
@@ -375,8 +375,6 @@ class ModelRunner:
         num_spec = np.array([len(spec_tokens.get(batch.req_ids[row], ())) for row in rows.tolist()],
                             dtype=np.int64) if spec_tokens else np.zeros(len(rows), dtype=np.int64)
         samples = seq_lens == batch.num_tokens[rows] + num_spec
-        if self.pooling:  # pooling requests sample nothing
-            samples &= np.array([batch.req_ids[row] not in self.pooling for row in rows.tolist()], dtype=bool)
         # each sampling row's logits: its last token's, after those of the known token and proposals before it
         sampling_spec = num_spec[samples]
         logits_indices = (np.repeat(query_start_loc[1:][samples] - 1 - sampling_spec, sampling_spec + 1)
@@ -391,7 +389,7 @@ class ModelRunner:
         )
         graphs = self.cuda_graphs
         use_cuda_graph = graphs is not None and metadata.max_query_len == 1 and graphs.can_run(len(rows))
-        if not use_cuda_graph:
+        if not use_cuda_graph and self.config.model.is_causal:  # an encoder attends without the paged cache
             self.attn_backend.prepare(metadata)
         return StepInputs(
             input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(self.device, non_blocking=True),
