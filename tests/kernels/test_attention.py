@@ -99,6 +99,19 @@ def test_many_decodes_of_different_lengths(kernel, dtype, tol):
         torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_requests", [3, 40])  # a work item per KV head, and per request (all its heads)
+def test_bf16_decodes_with_wide_heads_match_dense(num_requests):
+    """bfloat16 heads of 64 (the AVX-512 BF16 path where the CPU has it) shared by three query heads each."""
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [int(n) for n in torch.randint(1, 120, (num_requests,), generator=g)]
+    kv, table, keys, values = write_requests(seq_lens, 400, 16, 3, 64, torch.bfloat16, g)
+    query = torch.randn(num_requests, 9, 64, generator=g).to(torch.bfloat16)
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(num_requests + 1)), 0.125, CPU_KERNELS)
+    for i in range(num_requests):
+        expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], 0.125)
+        torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("kernel", DECODE_PATHS)
 @pytest.mark.parametrize("num_requests", [5, 40])  # one decode group, and several (sorted by length)
 def test_pure_decode_batches_keep_token_order(num_requests, kernel):

@@ -162,7 +162,8 @@ class LlamaModel(nn.Module):
         """``inputs_embeds`` (``[num_tokens, hidden_size]``), when given, replaces the token embedding lookup."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self.rotary.factors(positions, hidden.dtype)  # once per step, for every layer
-        if self.decode_stack is not None:
+        # (a step of more rows than an MLP chunk keeps the modules, whose MLP runs it in chunks)
+        if self.decode_stack is not None and hidden.shape[0] <= CPU_MLP_CHUNK_ROWS:
             stack_inputs = self.backend.decode_stack_inputs(metadata)  # None unless every token is a decode
             if stack_inputs is not None:
                 block_tables, seq_lens = stack_inputs
@@ -175,10 +176,10 @@ class LlamaModel(nn.Module):
         return hidden
 
     def build_decode_stack(self) -> None:
-        """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer runs on
-        a C++ kernel (the bfloat16 ``kernel`` path, or quantized weights on the CPU) and the attention backend
-        offers the stack (``cpu_decode_stack``); otherwise decode steps keep going through the modules (always
-        with tensor parallelism: the stack has no collectives)."""
+        """After prepacking: hand the layers to ``quire.kernels.decode_stack`` if every linear layer is
+        prepacked for the CPU (bfloat16 on the ``kernel`` or ``onednn`` path, or quantized weights) and the
+        attention backend offers the stack (``cpu_decode_stack``); otherwise decode steps keep going through the
+        modules (always with tensor parallelism: the stack has no collectives)."""
         if not self.backend.capabilities.cpu_decode_stack or self.group is not None:
             return
         if not all(isinstance(layer.mlp, LlamaMLP) for layer in self.layers):
@@ -207,7 +208,7 @@ class LlamaModel(nn.Module):
 
 def _stack_weight(linear: Linear):
     """What the C++ decoder stack computes a linear layer with: its quantized row segments (CPU tensors), its
-    bfloat16 weight prepacked for the ``kernel`` path, or None when it can do neither."""
+    prepacked bfloat16 weight (``kernel`` or ``onednn`` path), or None when it can do neither."""
     if linear.quantized is not None:
         return linear.quantized if all(w.data.is_cpu for w in linear.quantized) else None
     return decode_stack.kernel_weight(linear.packed)

@@ -5,6 +5,8 @@
 // the KV write through index_copy_). Here the same kernels run back to back from C++.
 #include "decode_stack.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cstring>
 
 #include "kernels.h"
@@ -28,7 +30,9 @@ LinearWeight linear_weight(const std::optional<torch::Tensor>& dense, const std:
                            const char* name) {
   LinearWeight w;
   if (segments.empty()) {
-    w.dense = required(dense, name);
+    TORCH_CHECK(dense.has_value() && dense->defined(), "DecodeStack: every layer needs ", name);
+    w.onednn = dense->is_mkldnn();
+    w.dense = w.onednn ? *dense : dense->contiguous();  // a packed weight has no strides to make contiguous
     TORCH_CHECK(w.dense.scalar_type() == at::kBFloat16, "DecodeStack: ", name,
                 " must be bfloat16 or quantized");
     w.out_features = w.dense.size(0);
@@ -44,8 +48,20 @@ LinearWeight linear_weight(const std::optional<torch::Tensor>& dense, const std:
   return w;
 }
 
+// oneDNN's linear op on a weight it packed, called as quire.kernels.linear.OneDNNLinear calls it from Python
+// (through the dispatcher: PyTorch exports no C++ function for it).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const std::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x @ w.T + bias with the kernels (and in the order) quire.core.models.layers.Linear uses.
 torch::Tensor apply(const LinearWeight& w, const torch::Tensor& x, const std::optional<torch::Tensor>& bias) {
+  if (w.onednn) return onednn_linear(x, w.dense, bias);
   if (w.segments.empty()) return linear_bf16(x, w.dense, bias);
   if (w.segments.size() == 1) {
     const auto& [data, scale, qtype] = w.segments[0];

@@ -13,10 +13,12 @@ namespace quire {
 // One row segment of a quantized weight as quire.kernels.quant.QuantizedWeight holds it: (data, scale, qtype).
 using QuantSegment = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std::string>;
 
-// A linear layer's weight: a bfloat16 tensor [out, in] for linear_bf16, or quantized row segments for
-// quant_linear whose outputs are concatenated (a fused projection of several GGUF tensors).
+// A linear layer's weight: a bfloat16 tensor [out, in] for linear_bf16, a bfloat16 weight oneDNN has packed
+// (an mkldnn tensor, for its linear op, as quire.kernels.linear.OneDNNLinear runs it), or quantized row
+// segments for quant_linear whose outputs are concatenated (a fused projection of several GGUF tensors).
 struct LinearWeight {
   torch::Tensor dense;
+  bool onednn = false;
   std::vector<QuantSegment> segments;
   int64_t out_features = 0;
 };

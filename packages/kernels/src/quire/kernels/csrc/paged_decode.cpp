@@ -246,7 +246,10 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
-  quire::parallel_chunks(0, num_requests * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A thread takes all the KV heads of a request together when there are requests enough to go round: the
+  // heads of a token share its cache lines, which then come from memory once for all of them.
+  const int64_t chunk = num_requests >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  quire::parallel_chunks(0, num_requests * num_kv_heads, chunk, [&](int64_t begin, int64_t end) {
     thread_local std::vector<const uint16_t*> key_rows, value_rows;  // reused across chunks
     thread_local std::vector<float> probs, totals;
     for (int64_t item = begin; item < end; ++item) {
@@ -255,10 +258,13 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
       const int64_t* blocks = block_tables + request * max_blocks;
       key_rows.resize(length);
       value_rows.resize(length);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t offset = blocks[t / block_size] * block_stride + (t % block_size) * token_stride + kv * head_dim;
-        key_rows[t] = key_cache + offset;
-        value_rows[t] = value_cache + offset;
+      for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
+        const int64_t base = blocks[b] * block_stride + kv * head_dim;
+        const int64_t count = std::min(block_size, length - t0);
+        for (int64_t i = 0; i < count; ++i) {
+          key_rows[t0 + i] = key_cache + base + i * token_stride;
+          value_rows[t0 + i] = value_cache + base + i * token_stride;
+        }
       }
       const uint16_t* q = query + (request * num_heads + kv * group) * head_dim;
       probs.resize(group * length);
