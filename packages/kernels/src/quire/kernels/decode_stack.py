@@ -36,7 +36,8 @@ def build(layers: list[dict], final_norm: torch.Tensor, num_heads: int, num_kv_h
     returns the final norm's output), or None when the C++ kernels are unavailable.
 
     Each layer maps ``LAYER_TENSORS`` to tensors (or None); a linear layer (``LINEAR_LAYERS``) is either a
-    bfloat16 weight (``kernel_weight``, plain or packed by oneDNN) or a list of ``quire.kernels.quant.QuantizedWeight`` row segments."""
+    bfloat16 weight (``kernel_weight``: plain, or packed by oneDNN) or a list of
+    ``quire.kernels.quant.QuantizedWeight`` row segments."""
     kernels = cpu_extension.load()
     if kernels is None or not hasattr(kernels, "DecodeStack"):
         return None
