@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from frontend_cost import cpu_seconds  # noqa: E402
+
 from tests.servers import child_pids, free_port  # noqa: E402
 
 STARTUP_SECONDS = 600  # vLLM's CPU server takes over a minute on two cores
-TICK = os.sysconf("SC_CLK_TCK")
 PERCENTILES = (50.0, 99.0)
 
 
@@ -63,10 +64,9 @@ def tree_cpu_seconds(pid: int) -> float:
     total = 0.0
     for member in process_tree(pid):
         try:
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            total += cpu_seconds(member)
         except OSError:
-            continue  # ended meanwhile
-        total += (int(fields[11]) + int(fields[12])) / TICK
+            pass  # ended meanwhile
     return total
 
 
