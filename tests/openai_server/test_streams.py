@@ -1,11 +1,13 @@
-"""merge_streams and the server's event loop, without a server."""
+"""merge_streams, the streamed chunks and their response, and the server's event loop, without a server."""
 
 import asyncio
+import json
 
+import msgspec
 import pytest
 
 from quire.openai_server.server import event_loop_factory
-from quire.openai_server.serving import merge_streams
+from quire.openai_server.serving import OUTER_SEND, ChunkWriter, EventStream, merge_streams
 
 
 def tracked_stream(name: str, items: list, closed: list):
@@ -51,3 +53,73 @@ def test_the_server_runs_on_uvloop_when_it_is_installed():
     assert factory is uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         assert runner.run(asyncio.sleep(0, result=7)) == 7
+
+
+def _event(data: bytes) -> dict:
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    return json.loads(data[len(b"data: "):-2])
+
+
+@pytest.mark.parametrize("kind", ["text_completion", "chat.completion.chunk"])
+def test_chunk_writer_writes_what_the_chunk_dict_encodes_to(kind):
+    writer = ChunkWriter('cmpl-"1"', kind, 1700000000, "some/model é")
+    head = {"id": 'cmpl-"1"', "object": kind, "created": 1700000000, "model": "some/model é"}
+    for index, text in [(0, " hello"), (3, 'quote " and é \n'), (0, "")]:
+        choice = ({"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                  if kind == "text_completion" else
+                  {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+        expected = b"data: " + msgspec.json.encode({**head, "choices": [choice]}) + b"\n\n"
+        assert writer.text(index, text) == expected
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    choice = {"index": 1, "finish_reason": "length"}
+    assert _event(writer.chunk([choice], usage)) == {**head, "choices": [choice], "usage": usage}
+    assert _event(writer.chunk([])) == {**head, "choices": []}
+    exact = writer.chunk([{"index": 0, "logprobs": {"token_logprobs": [float("-inf")]}}], exact_floats=True)
+    assert b"-Infinity" in exact
+    assert json.loads(exact[len(b"data: "):])["choices"][0]["logprobs"]["token_logprobs"] == [float("-inf")]
+
+
+def _run_event_stream(events, client_leaves: bool):
+    async def run():
+        sent, outer_sent, closed = [], [], []
+        disconnect = asyncio.Event()
+
+        async def receive():
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        async def outer_send(message):
+            outer_sent.append(message)
+            if client_leaves and len(outer_sent) == 2:
+                disconnect.set()
+
+        async def body():
+            try:
+                for event in events:
+                    await asyncio.sleep(0.01)
+                    yield event
+            finally:
+                closed.append(True)  # an engine stream aborts its request here
+
+        await EventStream(body())({"type": "http", OUTER_SEND: outer_send}, receive, send)
+        return sent, outer_sent, closed, asyncio.current_task().cancelling()
+
+    return asyncio.run(run())
+
+
+def test_event_stream_starts_through_the_middlewares_and_streams_to_the_outer_send():
+    sent, outer_sent, closed, cancelling = _run_event_stream([b"a", b"b", b"c"], client_leaves=False)
+    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m["body"] for m in outer_sent] == [b"a", b"b", b"c", b""]
+    assert [m["more_body"] for m in outer_sent] == [True, True, True, False]
+    assert closed == [True] and cancelling == 0
+
+
+def test_a_client_that_leaves_stops_the_event_stream_and_closes_its_generator():
+    sent, outer_sent, closed, cancelling = _run_event_stream([b"x"] * 100, client_leaves=True)
+    assert len(outer_sent) < 10 and all(m["more_body"] for m in outer_sent)
+    assert closed == [True] and cancelling == 0  # the disconnect's cancellation does not leak out

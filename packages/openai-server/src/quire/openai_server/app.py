@@ -88,7 +88,8 @@ def attach_engine(state: ServerState, engine: EngineClient) -> None:
     engine.add_stat_logger(state.metrics)
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop on every request
     return request.app.state.server
 
 

@@ -7,7 +7,6 @@ import time
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from quire.core.errors import ValidationError
 from quire.core.parsers.output import OutputParser, ParsedDelta
@@ -27,14 +26,14 @@ from quire.openai_server.protocol import (
 )
 from quire.openai_server.serving import (
     SSE_DONE,
+    ChunkWriter,
+    EventStream,
     ServerState,
     build_sampling_params,
     chat_logprobs,
     pinned_engine,
     prompt_logprobs,
     request_id,
-    sse,
-    sse_json,
     until_disconnect,
     usage,
 )
@@ -64,8 +63,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     num_prompt_tokens = len(stream.prompt_token_ids)
     parsers = OutputParsers(settings, tools)
     if body.stream:
-        return StreamingResponse(_stream(state, body, rid, stream, num_prompt_tokens, parsers),
-                                 media_type="text/event-stream")
+        return EventStream(_stream(state, body, rid, stream, num_prompt_tokens, parsers))
     output = await until_disconnect(request, _final(stream))
     if output is None:
         return None
@@ -193,13 +191,13 @@ async def _stream(state, body, rid, stream, num_prompt_tokens, parsers: OutputPa
     started: set[int] = set()
     completion_tokens = 0
 
-    def chunk(choices, usage_tokens=None, encode=sse):
-        payload = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": state.model_name, "choices": choices}
-        if usage_tokens is not None:
-            payload["usage"] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": usage_tokens,
-                                "total_tokens": num_prompt_tokens + usage_tokens}
-        return encode(payload)
+    writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name)
+
+    def chunk(choices, usage_tokens=None, exact_floats=False):
+        usage = None if usage_tokens is None else {
+            "prompt_tokens": num_prompt_tokens, "completion_tokens": usage_tokens,
+            "total_tokens": num_prompt_tokens + usage_tokens}
+        return writer.chunk(choices, usage, exact_floats)
 
     try:
         async for output in stream:
@@ -222,17 +220,20 @@ async def _stream(state, body, rid, stream, num_prompt_tokens, parsers: OutputPa
                     if not delta and finish_reason is None and not (body.logprobs and completion.logprobs):
                         continue
                     finish_reason = _finish_reason(finish_reason, completion.index in called)
+                elif (finish_reason is None and completion.stop_reason is None and completion.text
+                      and not continuous and not (body.logprobs and completion.logprobs is not None)):
+                    yield writer.text(completion.index, completion.text)  # the usual streamed token
+                    continue
                 else:
                     delta = {"content": completion.text} if completion.text else {}
                 choice = {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
                 if completion.stop_reason is not None:
                     choice["stop_reason"] = completion.stop_reason
-                encode = sse
-                if body.logprobs and completion.logprobs is not None:
+                exact_floats = bool(body.logprobs) and completion.logprobs is not None
+                if exact_floats:
                     choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs,
                                                        body.top_logprobs or 0).model_dump()
-                    encode = sse_json
-                yield chunk([choice], completion_tokens if continuous else None, encode)
+                yield chunk([choice], completion_tokens if continuous else None, exact_floats)
         if include_usage:
             yield chunk([], completion_tokens)
     except asyncio.CancelledError:

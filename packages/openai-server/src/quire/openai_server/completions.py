@@ -6,7 +6,6 @@ import asyncio
 import time
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from quire.core.engine.protocol import EngineClient, OutputStream
 from quire.core.errors import ValidationError
@@ -20,6 +19,8 @@ from quire.openai_server.protocol import (
 )
 from quire.openai_server.serving import (
     SSE_DONE,
+    ChunkWriter,
+    EventStream,
     ServerState,
     build_sampling_params,
     legacy_logprobs,
@@ -27,8 +28,6 @@ from quire.openai_server.serving import (
     pinned_engine,
     prompt_logprobs,
     request_id,
-    sse,
-    sse_json,
     until_disconnect,
     usage,
 )
@@ -66,8 +65,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     prompt_texts = [_prompt_text(engine, stream) for stream in streams] if body.echo else [""] * len(streams)
     counts = [len(stream.prompt_token_ids) for stream in streams]
     if body.stream:
-        return StreamingResponse(_stream(state, body, base_id, streams, prompt_texts, counts),
-                                 media_type="text/event-stream")
+        return EventStream(_stream(state, body, base_id, streams, prompt_texts, counts))
     outputs = await until_disconnect(request, _collect(streams))
     if outputs is None:
         return None  # the client is gone
@@ -125,10 +123,11 @@ def _response(state, body, base_id, outputs, prompt_texts, counts) -> Completion
 
 
 async def _stream(state, body, base_id, streams, prompt_texts, counts):
-    created = int(time.time())
+    writer = ChunkWriter(base_id, "text_completion", int(time.time()), state.model_name)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     continuous = include_usage and body.stream_options.continuous_usage_stats
-    echoed: set[int] = set()
+    with_logprobs = body.logprobs is not None
+    echoed: set[int] = set() if body.echo else set(range(len(streams) * body.n))
     completion_tokens = 0
     # One prompt (the usual case) is read straight from its stream: no merging generator in between,
     # which every streamed token would otherwise pass through.
@@ -140,27 +139,26 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
                 text = completion.text
-                if body.echo and index not in echoed:
+                if index not in echoed:
                     echoed.add(index)
                     text = prompt_texts[prompt_index] + text
                 completion_tokens += len(completion.token_ids)
+                if completion.finish_reason is None and not (continuous or with_logprobs):
+                    if text or completion.token_ids:
+                        yield writer.text(index, text)
+                    continue
                 if not text and not completion.token_ids and completion.finish_reason is None:
                     continue
                 choice = {"index": index, "text": text, "logprobs": None,
                           "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-                encode = sse
-                if body.logprobs is not None and completion.logprobs is not None:
+                exact_floats = with_logprobs and completion.logprobs is not None
+                if exact_floats:
                     choice["logprobs"] = legacy_logprobs(completion.token_ids, completion.logprobs,
                                                          state.engine.renderer).model_dump()
-                    encode = sse_json
-                chunk = {"id": base_id, "object": "text_completion", "created": created,
-                         "model": state.model_name, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = _usage_dict(sum(counts), completion_tokens)
-                yield encode(chunk)
+                yield writer.chunk([choice], _usage_dict(sum(counts), completion_tokens) if continuous else None,
+                                   exact_floats)
         if include_usage:
-            yield sse({"id": base_id, "object": "text_completion", "created": created, "model": state.model_name,
-                       "choices": [], "usage": _usage_dict(sum(counts), completion_tokens)})
+            yield writer.chunk([], _usage_dict(sum(counts), completion_tokens))
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import msgspec
-from fastapi import Request
+from fastapi import Request, Response
 
 from quire.core.engine.protocol import EngineClient
 from quire.core.errors import ValidationError
@@ -304,19 +304,92 @@ async def until_disconnect(request: Request, work: Awaitable):
     return work_task.result()
 
 
+# The ``send`` the outermost middleware received, kept in the scope: streamed events go straight to it.
+OUTER_SEND = "quire.outer_send"
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response from an async iterator of encoded events.
+
+    The response start passes every middleware (which add headers and note that a response began);
+    the events go to the ``send`` the outermost middleware received (``OUTER_SEND``): the middlewares
+    in between pass body messages through untouched, and a streamed token would otherwise cross each.
+    A client that disconnects cancels the stream, whose generator then aborts its requests.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers(None)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        send_event = scope.get(OUTER_SEND, send)
+        streaming = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async for event in self.events:
+                await send_event({"type": "http.response.body", "body": event, "more_body": True})
+            await send_event({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()  # the client left: nothing more to send, nothing to report
+        finally:
+            watcher.cancel()
+            await self.events.aclose()
+
+
 _JSON = msgspec.json.Encoder()
 
 
-def sse(payload: dict) -> bytes:
-    """One server-sent event. msgspec writes JSON several times faster than ``json`` (this runs once per
-    streamed chunk)."""
-    return b"data: " + _JSON.encode(payload) + b"\n\n"
-
-
-def sse_json(payload: dict) -> bytes:
-    """One server-sent event through ``json``, for chunks with logprobs: it keeps -inf as ``-Infinity``
-    where msgspec would write null."""
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChunkWriter:
+    """The events of one streamed response, ``{"id", "object", "created", "model", "choices"[, "usage"]}``:
+    the fixed head is encoded once per stream, and a chunk whose one choice carries only new text (the
+    usual streamed token) is written from fixed pieces around the encoded text."""
+
+    def __init__(self, response_id: str, kind: str, created: int, model: str):
+        self._head = b'data: {"id":%s,"object":%s,"created":%d,"model":%s,"choices":' % (
+            _JSON.encode(response_id), _JSON.encode(kind), created, _JSON.encode(model))
+        self._text_chunks: dict[int, tuple[bytes, bytes]] = {}
+        self._kind = kind
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, exact_floats: bool = False) -> bytes:
+        """Any chunk. msgspec writes JSON several times faster than ``json``; ``exact_floats`` (chunks with
+        logprobs) goes through ``json``, which keeps -inf as ``-Infinity`` where msgspec would write null."""
+        if exact_floats:
+            payload = {"choices": choices} if usage is None else {"choices": choices, "usage": usage}
+            body = json.dumps(payload, separators=(",", ":"))[len('{"choices":'):].encode()
+            return self._head + body + b"\n\n"
+        tail = b"}\n\n" if usage is None else b',"usage":' + _JSON.encode(usage) + b"}\n\n"
+        return self._head + _JSON.encode(choices) + tail
+
+    def text(self, index: int, text: str) -> bytes:
+        """The chunk of a choice that carries new text and nothing else: a completion's
+        ``{"index", "text", "logprobs": null, "finish_reason": null, "stop_reason": null}``, a chat
+        completion's ``{"index", "delta": {"content"}, "logprobs": null, "finish_reason": null}``."""
+        pieces = self._text_chunks.get(index)
+        if pieces is None:
+            if self._kind == "text_completion":
+                before, after = b'[{"index":%d,"text":' % index, b',"logprobs":null,"finish_reason":null,' \
+                    b'"stop_reason":null}]}\n\n'
+            else:
+                before, after = b'[{"index":%d,"delta":{"content":' % index, b'},"logprobs":null,' \
+                    b'"finish_reason":null}]}\n\n'
+            pieces = self._text_chunks[index] = (self._head + before, after)
+        return pieces[0] + _JSON.encode(text) + pieces[1]
