@@ -90,3 +90,44 @@ def test_fused_gelu_and_residual_add_match_the_unfused_ops(dtype):
     torch.testing.assert_close(linear_add(x, weight, bias, residual, packed).float(),
                                reference + residual.float(), **tolerance)
     torch.testing.assert_close(linear(x, weight, bias, packed).float(), reference, **tolerance)
+
+
+ONEDNN_GEMV_ROWS = (CPU_KERNELS.onednn_gemv_max_rows()
+                    if CPU_KERNELS is not None and linear_ops.bf16_path() == "onednn" else 0)
+needs_onednn_gemv = pytest.mark.skipif(ONEDNN_GEMV_ROWS == 0,
+                                       reason="no oneDNN-packed bfloat16 weights and AVX-512 BF16 on this CPU")
+
+
+@needs_onednn_gemv
+@pytest.mark.parametrize("out_features,in_features", [(80, 96), (49, 70), (33, 64), (576, 1536), (7, 3)])
+def test_onednn_gemv_reads_the_packed_weight_and_equals_float32_accumulation(out_features, in_features):
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = linear_ops.prepack(weight)
+    assert CPU_KERNELS.onednn_gemv_layout(packed.packed)  # oneDNN packed it the way the kernel reads
+    assert packed.gemv_rows == ONEDNN_GEMV_ROWS
+    for rows in range(1, ONEDNN_GEMV_ROWS + 1):
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        for b in (bias, None):
+            got = CPU_KERNELS.onednn_gemv(x, packed.packed, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            expected = reference(x, weight, b)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+            assert (got == expected).float().mean().item() > 0.95
+            assert torch.equal(packed(x, b), got)  # the module sends these rows to the kernel
+    more = torch.randn(ONEDNN_GEMV_ROWS + 1, in_features).to(torch.bfloat16)  # oneDNN's own kernels
+    torch.testing.assert_close(packed(more, bias).float(), reference(more, weight, bias).float(), rtol=2 ** -7,
+                               atol=1e-5)
+    with pytest.raises(RuntimeError, match="at most"):
+        CPU_KERNELS.onednn_gemv(more, packed.packed, None)
+
+
+@needs_onednn_gemv
+def test_onednn_gemv_layout_refuses_weights_it_cannot_read():
+    assert not CPU_KERNELS.onednn_gemv_layout(torch.zeros(4, 8, dtype=torch.bfloat16))  # not packed
+    assert not CPU_KERNELS.onednn_gemv_layout(torch.zeros(4, 8).to_mkldnn())  # float32
+    nan = torch.zeros(8, 8, dtype=torch.bfloat16)
+    nan[3, 5] = float("nan")
+    got = CPU_KERNELS.onednn_gemv(torch.ones(1, 8, dtype=torch.bfloat16), linear_ops.prepack(nan).packed, None)
+    assert got[0, 3].isnan() and not got[0, :3].isnan().any()

@@ -26,7 +26,7 @@ from quire.kernels.build_guard import RETRY_COMMAND, remembered_failure, run_exc
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp",
-                                     "decode_stack.cpp", "quant_linear.cpp")]
+                                     "decode_stack.cpp", "quant_linear.cpp", "onednn_gemv.cpp")]
 # included by the sources: part of the cache key
 HEADERS = [_CSRC / name for name in ("bf16.h", "kernels.h", "decode_stack.h", "parallel.h", "vector_math.h",
                                      "quant_blocks.h", "quant_int_dot.h")]

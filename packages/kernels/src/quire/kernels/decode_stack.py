@@ -1,5 +1,6 @@
 """Every decoder layer of a decode step in one C++ call, on the CPU: for bfloat16 models (on the ``kernel``
-path and on the ``onednn`` one, whose packed weights the stack hands to oneDNN's op itself), and for models
+path and on the ``onednn`` one, whose packed weights the stack hands to ``onednn_gemv`` or oneDNN's op on
+the rule ``OneDNNLinear`` follows), and for models
 whose linear layers are quantized (GGUF blocks or ``--quantization int8``).
 
 A step in which every request brings one token (each decode step of a batch without prompts) runs the

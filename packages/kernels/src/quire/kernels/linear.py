@@ -68,12 +68,24 @@ class KernelLinear:
 
 class OneDNNLinear:
     """A weight in oneDNN's blocked layout (the ``onednn`` path); oneDNN can also apply GELU or add another
-    tensor in the multiply's epilogue, before the result is rounded to bfloat16."""
+    tensor in the multiply's epilogue, before the result is rounded to bfloat16.
+
+    A few rows (decode steps) go to Quire's ``onednn_gemv`` kernel on the same packed weight when it can read
+    its layout (``gemv_rows``: how many; 0 when it cannot): oneDNN's fixed cost per call is a quarter of a
+    small layer's time there. The C++ decoder stack makes the same choice, so both compute the same bits."""
 
     def __init__(self, packed: torch.Tensor):
+        from quire.kernels import cpu_extension
+
         self.packed = packed
+        kernels = cpu_extension.load()
+        self.gemv_rows = (kernels.onednn_gemv_max_rows()
+                          if kernels is not None and kernels.onednn_gemv_layout(packed) else 0)
+        self._gemv = kernels.onednn_gemv if self.gemv_rows else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.gemv_rows:
+            return self._gemv(x, self.packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def gelu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

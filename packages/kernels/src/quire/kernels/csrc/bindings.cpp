@@ -22,5 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ w.T + bias, w in a GGUF block format or INT8, accumulated in float32");
   m.def("quant_dequantize", &quant_dequantize, "float32 rows of a quantized weight");
   m.def("quant_isa", &quant_isa, "the instruction set the quantized-weight kernels use for a request");
+  m.def("onednn_gemv_layout", &onednn_gemv_layout, "whether onednn_gemv can read this oneDNN-packed weight");
+  m.def("onednn_gemv_max_rows", &onednn_gemv_max_rows, "the most rows onednn_gemv takes (0: not in this build)");
+  m.def("onednn_gemv", &onednn_gemv, "x @ weight.T + bias for a few rows, on a weight oneDNN packed");
   m.def("linear_bf16_vectorized", &linear_bf16_vectorized, "whether linear_bf16 was built with AVX2 and FMA");
 }

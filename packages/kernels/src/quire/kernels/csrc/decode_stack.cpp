@@ -33,6 +33,7 @@ LinearWeight linear_weight(const std::optional<torch::Tensor>& dense, const std:
     TORCH_CHECK(dense.has_value() && dense->defined(), "DecodeStack: every layer needs ", name);
     w.onednn = dense->is_mkldnn();
     w.dense = w.onednn ? *dense : dense->contiguous();  // a packed weight has no strides to make contiguous
+    w.gemv = w.onednn && onednn_gemv_layout(w.dense);
     TORCH_CHECK(w.dense.scalar_type() == at::kBFloat16, "DecodeStack: ", name,
                 " must be bfloat16 or quantized");
     w.out_features = w.dense.size(0);
@@ -61,7 +62,10 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // x @ w.T + bias with the kernels (and in the order) quire.core.models.layers.Linear uses.
 torch::Tensor apply(const LinearWeight& w, const torch::Tensor& x, const std::optional<torch::Tensor>& bias) {
-  if (w.onednn) return onednn_linear(x, w.dense, bias);
+  if (w.onednn) {
+    return w.gemv && x.size(0) <= onednn_gemv_max_rows() ? onednn_gemv(x, w.dense, bias)
+                                                         : onednn_linear(x, w.dense, bias);
+  }
   if (w.segments.empty()) return linear_bf16(x, w.dense, bias);
   if (w.segments.size() == 1) {
     const auto& [data, scale, qtype] = w.segments[0];

@@ -19,6 +19,7 @@ using QuantSegment = std::tuple<torch::Tensor, std::optional<torch::Tensor>, std
 struct LinearWeight {
   torch::Tensor dense;
   bool onednn = false;
+  bool gemv = false;  // a packed weight onednn_gemv reads (few rows), as OneDNNLinear decides
   std::vector<QuantSegment> segments;
   int64_t out_features = 0;
 };

@@ -15,6 +15,10 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool linear_bf16_vectorized();
+// A few rows times a bfloat16 weight oneDNN has packed (onednn_gemv.cpp), for weights onednn_gemv_layout accepts.
+bool onednn_gemv_layout(torch::Tensor packed);
+int64_t onednn_gemv_max_rows();
+torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 // Quantized weights (quant_linear.cpp): data/scale/qtype as quire.kernels.quant.QuantizedWeight holds them;
 // isa "" picks the widest instruction set the CPU has, "avx512", "avx2" or "scalar" forces one.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scale,

@@ -1,0 +1,157 @@
+// Decode-sized linear layers (a few rows) on a weight oneDNN has packed, without calling oneDNN.
+//
+// On AVX-512 BF16 CPUs oneDNN packs a bfloat16 linear weight [N, K] for its AMX kernels as
+//
+//   packed[n / 32][k / 2][n % 32][k % 2]      (N and K padded to multiples of 32 with zeros)
+//
+// which is also the operand `vdpbf16ps` wants: one 128-byte row holds a k-pair of 32 outputs. For a few rows
+// of x the multiply only streams the weight from memory, and oneDNN's fixed cost per call (argument checks,
+// descriptors, its primitive cache, the output's allocation: ~25 us, most of it while the other threads wait)
+// is a quarter of a small layer's time on two cores; here a call costs a parallel loop. The weight is read
+// with software prefetch 2 KB ahead: the hardware prefetcher alone stops at every page (SmolLM2-135M's
+// layers at batch 1 on two AMX cores: 12.4 ms through oneDNN, 9.6 ms here; not slower than oneDNN up to 8 rows).
+//
+// The layout is not part of oneDNN's interface, so `onednn_gemv_layout` checks a packed weight against its own
+// dense copy (once, when it is packed) and callers fall back to oneDNN for any weight it refuses.
+//
+// Products of bfloat16 values are exact; each output is a float32 sum over k-pairs in order (a different order
+// from oneDNN's), plus the bias, rounded to bfloat16 once (nearest even).
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define QUIRE_ONEDNN_GEMV 1
+#endif
+
+namespace at::native {
+// Exported by libtorch_cpu (ATen/native/mkldnn/MKLDNNCommon.h, which PyTorch does not install).
+TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}  // namespace at::native
+
+namespace {
+
+constexpr int64_t kBlock = 32;           // outputs per packed block, and the padding of K
+constexpr int64_t kPrefetchPairs = 16;   // 16 k-pairs of a block: 2 KB ahead
+constexpr int64_t kMaxRows = 8;          // more rows go to oneDNN's AMX kernels
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+#ifdef QUIRE_ONEDNN_GEMV
+
+inline __m512 bf16_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// sixteen sums (+ bias) to bfloat16, the first `count` stored
+inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t count) {
+  const __mmask16 mask = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  if (bias != nullptr) sum = _mm512_add_ps(sum, bf16_to_float(_mm256_maskz_loadu_epi16(mask, bias)));
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+}
+
+// out[m][0:count] = pairs[m] . block for M rows; `pairs` holds each row's k-pairs (P of them, zero past K).
+template <int M>
+void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, uint16_t* out, int64_t out_stride,
+                const uint16_t* bias, int64_t count) {
+  __m512 lo[M], hi[M];
+  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const uint16_t* row = block + p * 2 * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * 2 * kBlock + kBlock), _MM_HINT_T0);
+    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(row);
+    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(row + kBlock);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[m * P + p]));
+      lo[m] = _mm512_dpbf16_ps(lo[m], w_lo, x);
+      hi[m] = _mm512_dpbf16_ps(hi[m], w_hi, x);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    store16(out + m * out_stride, lo[m], bias, std::min<int64_t>(count, 16));
+    if (count > 16) store16(out + m * out_stride + 16, hi[m], bias != nullptr ? bias + 16 : nullptr, count - 16);
+  }
+}
+
+using GemvFn = void (*)(const uint32_t*, int64_t, const uint16_t*, uint16_t*, int64_t, const uint16_t*, int64_t);
+constexpr GemvFn kGemv[kMaxRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>, gemv_block<4>,
+                                    gemv_block<5>, gemv_block<6>, gemv_block<7>, gemv_block<8>};
+
+#endif  // QUIRE_ONEDNN_GEMV
+
+}  // namespace
+
+int64_t onednn_gemv_max_rows() {
+#ifdef QUIRE_ONEDNN_GEMV
+  return kMaxRows;
+#else
+  return 0;
+#endif
+}
+
+bool onednn_gemv_layout(torch::Tensor packed) {
+#ifdef QUIRE_ONEDNN_GEMV
+  if (!packed.is_mkldnn() || packed.scalar_type() != at::kBFloat16 || packed.dim() != 2) return false;
+  const int64_t N = packed.size(0), K = packed.size(1), Np = round_up(N, kBlock), Kp = round_up(K, kBlock);
+  if (at::native::nbytes_from_mkldnn(packed) != Np * Kp * 2) return false;
+  const auto dense = packed.to_dense().contiguous();
+  const auto* plain = reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>());
+  const auto* raw = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  for (int64_t n = 0; n < Np; ++n) {
+    for (int64_t k = 0; k < Kp; ++k) {
+      const uint16_t expected = n < N && k < K ? plain[n * K + k] : 0;
+      if (raw[((n / kBlock) * (Kp / 2) + k / 2) * 2 * kBlock + (n % kBlock) * 2 + k % 2] != expected) return false;
+    }
+  }
+  return true;
+#else
+  (void)packed;
+  return false;
+#endif
+}
+
+torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+#ifdef QUIRE_ONEDNN_GEMV
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_gemv: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_gemv: the weight must be packed by oneDNN");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(M <= kMaxRows, "onednn_gemv: at most ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(packed.size(1) == K, "onednn_gemv: x has ", K, " columns, the weight ", packed.size(1));
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "onednn_gemv: bias must have ", N, " elements");
+    bias_c = bias->to(at::kBFloat16).contiguous();
+  }
+  const auto* bias_p = bias_c.defined() ? reinterpret_cast<const uint16_t*>(bias_c.data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t P = round_up(K, kBlock) / 2, blocks = round_up(N, kBlock) / kBlock;
+  std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
+  const auto xc = x.contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
+  const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      kGemv[M - 1](pairs.data(), P, w + b * P * 2 * kBlock, y + b * kBlock, N,
+                   bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(kBlock, N - b * kBlock));
+    }
+  });
+  return out;
+#else
+  (void)x;
+  (void)packed;
+  (void)bias;
+  TORCH_CHECK(false, "onednn_gemv: this build has no AVX-512 BF16");
+#endif
+}
