@@ -14,8 +14,11 @@
 // The layout is not part of oneDNN's interface, so `onednn_gemv_layout` checks a packed weight against its own
 // dense copy (once, when it is packed) and callers fall back to oneDNN for any weight it refuses.
 //
-// Products of bfloat16 values are exact; each output is a float32 sum over k-pairs in order (a different order
-// from oneDNN's), plus the bias, rounded to bfloat16 once (nearest even).
+// From 9 to 32 rows (decode steps of a busy server) AMX tiles read the same layout: a packed block's 128-byte
+// rows hold two tiles' rows (16 outputs each) at a 128-byte stride.
+//
+// Products of bfloat16 values are exact; each output is a float32 sum (in an order of its own, not oneDNN's),
+// plus the bias, rounded to bfloat16 once (nearest even).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -30,6 +33,11 @@
 #include <immintrin.h>
 #define QUIRE_ONEDNN_GEMV 1
 #endif
+#if defined(QUIRE_ONEDNN_GEMV) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QUIRE_ONEDNN_AMX 1
+#endif
 
 namespace at::native {
 // Exported by libtorch_cpu (ATen/native/mkldnn/MKLDNNCommon.h, which PyTorch does not install).
@@ -41,7 +49,14 @@ namespace {
 
 constexpr int64_t kBlock = 32;           // outputs per packed block, and the padding of K
 constexpr int64_t kPrefetchPairs = 16;   // 16 k-pairs of a block: 2 KB ahead
-constexpr int64_t kMaxRows = 8;          // more rows go to oneDNN's AMX kernels
+constexpr int64_t kGemvRows = 8;         // rows for vdpbf16ps; more go through AMX tiles
+#ifdef QUIRE_ONEDNN_AMX
+// More rows go to oneDNN's own kernels (measured on SmolLM2-135M's layers, two AMX cores: 12 ms here against
+// 15 at 32 rows, level at 64, slower from there on; software prefetch of the weight made it slower).
+constexpr int64_t kMaxRows = 32;
+#else
+constexpr int64_t kMaxRows = kGemvRows;
+#endif
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -83,16 +98,76 @@ void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, uint16_
 }
 
 using GemvFn = void (*)(const uint32_t*, int64_t, const uint16_t*, uint16_t*, int64_t, const uint16_t*, int64_t);
-constexpr GemvFn kGemv[kMaxRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>, gemv_block<4>,
+constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>, gemv_block<4>,
                                     gemv_block<5>, gemv_block<6>, gemv_block<7>, gemv_block<8>};
 
 #endif  // QUIRE_ONEDNN_GEMV
 
+#ifdef QUIRE_ONEDNN_AMX
+
+// Linux gives a process the AMX tile registers only once it asks (oneDNN asks the same for its own kernels).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t columns_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes. Tiles 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x
+// (32 k) each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
+const TileConfig& tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.columns_bytes[t] = 64;
+    }
+    return c;
+  }();
+  return config;
+}
+
+// sums[32 x 32] (row stride 32) = x rows [32, Kp] (row stride Kp) . one packed block of 32 outputs.
+inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < Kp; k += 32) {
+    const uint16_t* rows = block + (k / 2) * 2 * kBlock;  // 16 k-pairs from k on
+    _tile_loadd(4, x + k, Kp * 2);
+    _tile_loadd(5, x + 16 * Kp + k, Kp * 2);
+    _tile_loadd(6, rows, 4 * kBlock);          // outputs 0-15 of each k-pair
+    _tile_loadd(7, rows + kBlock, 4 * kBlock);  // outputs 16-31
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 32 * 4);
+  _tile_stored(1, sums + 16, 32 * 4);
+  _tile_stored(2, sums + 16 * 32, 32 * 4);
+  _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+}
+
+#endif  // QUIRE_ONEDNN_AMX
+
 }  // namespace
 
 int64_t onednn_gemv_max_rows() {
-#ifdef QUIRE_ONEDNN_GEMV
-  return kMaxRows;
+#if defined(QUIRE_ONEDNN_AMX)
+  return amx_permitted() ? kMaxRows : kGemvRows;
+#elif defined(QUIRE_ONEDNN_GEMV)
+  return kGemvRows;
 #else
   return 0;
 #endif
@@ -124,7 +199,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_gemv: x must be [M, K] bfloat16");
   TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_gemv: the weight must be packed by oneDNN");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(M <= kMaxRows, "onednn_gemv: at most ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(M <= onednn_gemv_max_rows(), "onednn_gemv: at most ", onednn_gemv_max_rows(), " rows, got ", M);
   TORCH_CHECK(packed.size(1) == K, "onednn_gemv: x has ", K, " columns, the weight ", packed.size(1));
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
@@ -135,12 +210,42 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   }
   const auto* bias_p = bias_c.defined() ? reinterpret_cast<const uint16_t*>(bias_c.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t P = round_up(K, kBlock) / 2, blocks = round_up(N, kBlock) / kBlock;
-  std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#ifdef QUIRE_ONEDNN_AMX
+  if (M > kGemvRows) {
+    // x padded with zeros to whole tiles: rows to a multiple of 32, columns to Kp
+    const int64_t Mp = round_up(M, 32), Kp = 2 * P;
+    std::vector<uint16_t> padded(Mp * Kp, 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * Kp], xs + m * K, K * 2);
+    quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
+      _tile_loadconfig(&tile_config());  // per thread and call: oneDNN's kernels load their own
+      alignas(64) float sums[32 * 32];
+      for (int64_t b = begin; b < end; ++b) {
+        const uint16_t* block = w + b * P * 2 * kBlock;
+        const int64_t n0 = b * kBlock, count = std::min(kBlock, N - n0);
+        for (int64_t r0 = 0; r0 < M; r0 += 32) {
+          amx_block(padded.data() + r0 * Kp, Kp, block, sums);
+          for (int64_t r = 0; r < std::min<int64_t>(32, M - r0); ++r) {
+            uint16_t* dst = y + (r0 + r) * N + n0;
+            store16(dst, _mm512_load_ps(sums + r * 32), bias_p != nullptr ? bias_p + n0 : nullptr,
+                    std::min<int64_t>(count, 16));
+            if (count > 16) {
+              store16(dst + 16, _mm512_load_ps(sums + r * 32 + 16), bias_p != nullptr ? bias_p + n0 + 16 : nullptr,
+                      count - 16);
+            }
+          }
+        }
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
+  std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
+  for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
   quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       kGemv[M - 1](pairs.data(), P, w + b * P * 2 * kBlock, y + b * kBlock, N,
