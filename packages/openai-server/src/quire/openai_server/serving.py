@@ -305,7 +305,7 @@ async def until_disconnect(request: Request, work: Awaitable):
 
 
 # The ``send`` the outermost middleware received, kept in the scope: streamed events go straight to it.
-OUTER_SEND = "quire.outer_send"
+OUTER_SEND = "quire_outer_send"
 
 
 class EventStream(Response):
