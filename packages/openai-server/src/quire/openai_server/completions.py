@@ -127,7 +127,7 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     continuous = include_usage and body.stream_options.continuous_usage_stats
     with_logprobs = body.logprobs is not None
-    echoed: set[int] = set() if body.echo else set(range(len(streams) * body.n))
+    echoed: set[int] = set()
     completion_tokens = 0
     # One prompt (the usual case) is read straight from its stream: no merging generator in between,
     # which every streamed token would otherwise pass through.
@@ -139,7 +139,7 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
                 text = completion.text
-                if index not in echoed:
+                if body.echo and index not in echoed:
                     echoed.add(index)
                     text = prompt_texts[prompt_index] + text
                 completion_tokens += len(completion.token_ids)
