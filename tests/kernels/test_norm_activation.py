@@ -138,3 +138,19 @@ def test_argmax_takes_the_first_maximum_like_torch(dtype, rows):
     assert CPU_KERNELS is not None
     assert torch.equal(CPU_KERNELS.argmax_rows(logits), expected)
     assert torch.equal(argmax(logits), expected)
+
+
+def test_bfloat16_silu_and_mul_is_exact_for_every_gate_value():
+    """Every bfloat16 gate (all 65,536 bit patterns): the kernel's float32 SiLU with its double-precision
+    fallback near bfloat16 rounding midpoints gives the bits of a double-precision SiLU rounded to float32
+    and then to bfloat16, as PyTorch's float32 SiLU (correctly rounded there) does."""
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.tensor([1.0, -3.0, 0.7109375], dtype=torch.bfloat16).repeat_interleave(gate.numel())
+    gate = gate.repeat(3)
+    x = torch.stack([gate, up]).view(1, -1)  # one row: [gates..., ups...]
+    wide = gate.double()
+    activated = (wide / (1.0 + torch.exp(-wide))).float().bfloat16().float()
+    expected = (activated * up.float()).bfloat16()
+    got = CPU_KERNELS.silu_and_mul(x).view(-1)
+    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    assert same.all(), f"{(~same).sum().item()} gates differ, e.g. {gate[~same][:5].tolist()}"

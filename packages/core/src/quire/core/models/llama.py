@@ -29,7 +29,7 @@ from quire.core.models.parallel_layers import (
     parallel_lm_head,
     split_output_rows,
 )
-from quire.kernels import decode_stack
+from quire.kernels import decode_stack, greedy_head
 from quire.kernels import linear as linear_ops
 from quire.kernels.activation import silu_and_mul
 from quire.kernels.rotary import rotate
@@ -238,6 +238,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = parallel_lm_head(config.vocab_size, config.hidden_size, dtype, group)
         self._tied_head_packed: linear_ops.PackedLinear | None = None
+        # Set by ``prepack`` where the CPU's kernels can name a plain greedy step's tokens without every logit
+        # (``quire.kernels.greedy_head``): the runner then calls ``greedy_tokens`` for up to this many rows.
+        self._greedy_head: greedy_head.GreedyHead | None = None
+        self.greedy_token_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,3 +274,14 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and embedding is not None and linear_ops.can_prepack(embedding):
             self._tied_head_packed = linear_ops.prepack(embedding)  # the embedding itself stays
         self.model.build_decode_stack()
+        head = self._tied_head_packed
+        if isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
+            head = self.lm_head.packed
+        if self.group is None and head is not None:
+            self._greedy_head = greedy_head.greedy_head(head)
+            self.greedy_token_rows = greedy_head.MAX_ROWS if self._greedy_head is not None else 0
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits(hidden)`` (int64), or None where it declines (then compute the
+        logits): for plain greedy steps of up to ``greedy_token_rows`` rows."""
+        return None if self._greedy_head is None else self._greedy_head(hidden)

@@ -27,7 +27,7 @@ from quire.core.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from quire.core.worker.logits_processors import GRAMMAR_BITMASK, unpack_bitmask
 from quire.core.worker.multimodal import EncoderOutputs, MRopePositions
 from quire.core.worker.rejection_sampler import RejectionSampler
-from quire.core.worker.sampler import Sampler, gather_logprobs
+from quire.core.worker.sampler import GREEDY_TEMPERATURE, Sampler, gather_logprobs
 from quire.core.worker.sampling_metadata import build_sampling_metadata
 from quire.kernels.pooling import pool, truncate_and_normalize
 
@@ -145,7 +145,13 @@ class ModelRunner:
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sampling_hidden = hidden[inputs.logits_indices]
+            if not spec_tokens and scheduler_output.grammar_bitmask is None and self._greedy_without_logits(
+                    inputs.sampling_rows, sampling_hidden, output):
+                timings.mark("forward")
+                timings.mark("sampling")
+                return output
+            logits = self.model.compute_logits(sampling_hidden)
         timings.mark("forward")
         if logits is not None and spec_tokens:
             self._sample_speculative(inputs, logits, output, spec_tokens, scheduler_output.grammar_bitmask)
@@ -238,13 +244,34 @@ class ModelRunner:
         if logits.device.type != "cpu" and not self.sampler.is_plain_greedy(metadata):
             logits = logits.float().cpu()  # NOTE: the sampler's generators and tables live on the CPU
         sampled = self.sampler(logits, metadata)
-        tokens = sampled.token_ids.cpu().numpy()
+        self._record_samples(rows, sampled.token_ids.cpu().numpy(), sampled.logprobs, output)
+
+    def _record_samples(self, rows: np.ndarray, tokens: np.ndarray, logprobs: dict[int, Logprobs],
+                        output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
         batch.append_tokens(rows, tokens)
         for i, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
             request_id = batch.req_ids[row]
             output.sampled_token_ids[request_id] = [token]
-            if i in sampled.logprobs:
-                output.logprobs[request_id] = sampled.logprobs[i]
+            if i in logprobs:
+                output.logprobs[request_id] = logprobs[i]
+
+    def _greedy_without_logits(self, rows: np.ndarray, hidden: torch.Tensor, output: ModelRunnerOutput) -> bool:
+        """A plain greedy step (``Sampler.is_plain_greedy``) on a model whose LM head can name each row's argmax
+        without computing every logit (``greedy_tokens``: ``quire.kernels.greedy_head`` on CPUs): record the
+        tokens as ``_sample`` would. False, with nothing recorded, where that does not apply."""
+        if len(rows) > getattr(self.model, "greedy_token_rows", 0) or self.lora is not None:
+            return False
+        if not (self.input_batch.temperature[rows] < GREEDY_TEMPERATURE).all():
+            return False  # (before the metadata: sampled steps skip this path at the cost of one comparison)
+        metadata = build_sampling_metadata(self.input_batch, rows, self.config.model.vocab_size)
+        if not self.sampler.is_plain_greedy(metadata):
+            return False
+        tokens = self.model.greedy_tokens(hidden)
+        if tokens is None:
+            return False
+        self._record_samples(rows, tokens.numpy(), {}, output)
+        return True
 
     def _sample_speculative(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput,
                             spec_tokens: dict[str, list[int]],

@@ -25,5 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onednn_gemv_layout", &onednn_gemv_layout, "whether onednn_gemv can read this oneDNN-packed weight");
   m.def("onednn_gemv_max_rows", &onednn_gemv_max_rows, "the most rows onednn_gemv takes (0: not in this build)");
   m.def("onednn_gemv", &onednn_gemv, "x @ weight.T + bias for a few rows, on a weight oneDNN packed");
+  m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head_tokens exists in this build");
+  m.def("greedy_head_tokens", &greedy_head_tokens,
+        "each row's argmax of x @ packed.T, screened with an int8 copy of the head (empty: declined)");
   m.def("linear_bf16_vectorized", &linear_bf16_vectorized, "whether linear_bf16 was built with AVX2 and FMA");
 }

@@ -19,6 +19,11 @@ bool linear_bf16_vectorized();
 bool onednn_gemv_layout(torch::Tensor packed);
 int64_t onednn_gemv_max_rows();
 torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+// The argmax of x @ packed.T (onednn_gemv's logits) for up to 8 rows, screened with an int8 copy (onednn_gemv.cpp);
+// empty where it declines.
+bool greedy_head_supported();
+torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::Tensor q, torch::Tensor scale,
+                                 torch::Tensor bound);
 // Quantized weights (quant_linear.cpp): data/scale/qtype as quire.kernels.quant.QuantizedWeight holds them;
 // isa "" picks the widest instruction set the CPU has, "avx512", "avx2" or "scalar" forces one.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<torch::Tensor> scale,

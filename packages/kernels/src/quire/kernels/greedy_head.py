@@ -1,0 +1,68 @@
+"""Greedy tokens from a bfloat16 LM head without computing every logit, on the CPU.
+
+A plain greedy step (every row takes its most likely token; no logprobs, penalties or other logit changes)
+needs only the argmax of each row's logits. At batch 1 the LM head is a fifth of a small model's bytes per
+token (SmolLM2-135M: 57 of 270 MB), all of them streamed to find one index. ``GreedyHead`` keeps an int8 copy
+of the head (one scale per output) and the C++ side (``greedy_head_tokens`` in ``csrc/onednn_gemv.cpp``)
+screens the vocabulary with it: each approximate logit comes with a bound on its distance to the logit
+``onednn_gemv`` computes (the weight's and x's rounding, float32 summation, the bfloat16 output), and only the
+32-output blocks of the outputs that can still reach the best lower bound are computed exactly, with the same
+kernel and bits as ``onednn_gemv``. The token is therefore exactly the full head's argmax (its first index on a
+tie). When the screen cannot decide cheaply (x not finite, too many candidates) it declines and the caller
+computes the full logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quire.kernels.linear import OneDNNLinear
+
+MAX_ROWS = 8  # onednn_gemv's vdpbf16ps rows: the exact blocks are computed as it computes them
+_ROWS_PER_PIECE = 4096  # quantized a piece at a time, to bound the float64 copies' memory
+
+
+class GreedyHead:
+    """``head(hidden)``: each row's greedy token (int64 ``[M]``) for up to ``MAX_ROWS`` rows, or None when the
+    screen declines. ``head`` is a prepacked LM head without bias on onednn_gemv's path."""
+
+    def __init__(self, head: OneDNNLinear, kernels):
+        self._head = head.packed
+        self._tokens = kernels.greedy_head_tokens
+        dense = head.packed.to_dense()
+        num_outputs = dense.shape[0]
+        self.q = torch.empty(dense.shape, dtype=torch.int8)
+        self.scale = torch.empty(num_outputs, dtype=torch.float32)
+        # per output: the largest |w - scale q| (rounded up), sum |q|, the largest |w|
+        self.bound = torch.empty(3, num_outputs, dtype=torch.float32)
+        for start in range(0, num_outputs, _ROWS_PER_PIECE):
+            rows = slice(start, start + _ROWS_PER_PIECE)
+            weight = dense[rows].float()
+            largest = weight.abs().amax(dim=1)
+            scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+            q = torch.round(weight / scale[:, None]).clamp_(-127, 127)
+            error = (weight.double() - scale.double()[:, None] * q.double()).abs().amax(dim=1)
+            self.q[rows] = q.to(torch.int8)
+            self.scale[rows] = scale
+            self.bound[0, rows] = (error * (1 + 2**-20)).float()
+            self.bound[1, rows] = q.abs().sum(dim=1)
+            self.bound[2, rows] = largest
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if hidden.dim() != 2 or not 0 < hidden.shape[0] <= MAX_ROWS or hidden.dtype != torch.bfloat16:
+            return None
+        tokens = self._tokens(hidden, self._head, self.q, self.scale, self.bound)
+        return tokens if tokens.numel() else None
+
+
+def greedy_head(packed) -> GreedyHead | None:
+    """A ``GreedyHead`` for a prepacked LM head, or None where the screen does not apply (not the oneDNN
+    path, a layout onednn_gemv cannot read, no AVX-512 VNNI in this build)."""
+    if not isinstance(packed, OneDNNLinear) or packed.gemv_rows < MAX_ROWS:
+        return None
+    from quire.kernels import cpu_extension
+
+    kernels = cpu_extension.load()
+    if kernels is None or not kernels.greedy_head_supported():
+        return None
+    return GreedyHead(packed, kernels)

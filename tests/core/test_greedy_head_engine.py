@@ -1,0 +1,46 @@
+"""Plain greedy steps of a bfloat16 model on a oneDNN CPU take the screened LM head (``greedy_tokens``) and
+produce the same tokens as the full logits; other steps keep the logits."""
+
+from __future__ import annotations
+
+import pytest
+
+from quire.kernels import cpu_extension
+from quire.kernels import linear as linear_ops
+from quire.offline import LLM, SamplingParams
+
+KERNELS = cpu_extension.load()
+pytestmark = pytest.mark.skipif(
+    linear_ops.bf16_path() != "onednn" or KERNELS is None or not KERNELS.greedy_head_supported(),
+    reason="the screened head needs oneDNN-packed weights and AVX-512 VNNI")
+
+
+def token_ids(llm: LLM, prompts, **params):
+    llm.reset_prefix_cache()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, **params), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # an untied head, and a tied one
+def test_greedy_steps_take_the_screened_head_and_keep_their_tokens(tiny_checkpoint, corpus_token_ids, arch):
+    llm = LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8)
+    model = llm.llm_engine.engine_core.engine_core.executor.model_runner.model
+    assert model.greedy_token_rows == 8
+    calls = []
+    screen = model.greedy_tokens
+
+    def counting(hidden):
+        tokens = screen(hidden)
+        calls.append(tokens is not None)
+        return tokens
+
+    model.greedy_tokens = counting
+    prompts = [corpus_token_ids[i * 100:i * 100 + n] for i, n in enumerate((5, 7, 33, 60))]
+    screened = token_ids(llm, prompts, temperature=0.0)
+    assert sum(calls) >= 12  # every step of the batch (prefill's last tokens included) could use it
+    calls.clear()
+    with_logprobs = token_ids(llm, prompts, temperature=0.0, logprobs=2)  # not a plain greedy step
+    assert not calls
+    model.greedy_token_rows = 0  # the full logits for every step
+    full = token_ids(llm, prompts, temperature=0.0)
+    assert screened == full == with_logprobs
