@@ -26,8 +26,9 @@ def generate(llm: LLM, prompts):
     return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outputs]
 
 
-def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> None:
-    """Greedy ids and logprobs of batch-1 and batch-4 decodes through the stack equal the modules' bit for bit."""
+def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> int:
+    """Greedy ids and logprobs of batch-1 and batch-4 decodes through the stack equal the modules' bit for bit;
+    returns how many of the stack's steps ran as one parallel region."""
     model = model_of(llm)
     assert model.decode_stack is not None and model.decode_stack.num_layers == len(model.layers)
     calls = []
@@ -43,12 +44,15 @@ def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> None:
     model.decode_stack = Counting()
     alone = [corpus_token_ids[:5]]
     batch = [corpus_token_ids[i * 100:i * 100 + n] for i, n in enumerate((1, 7, 33, 60))]
+    one_region_before = getattr(stack, "one_region_steps", 0)
     fused = generate(llm, alone), generate(llm, batch)
+    one_region = getattr(stack, "one_region_steps", 0) - one_region_before
     assert 1 in calls and 4 in calls  # batch-1 and batch-4 decode steps went through the stack
     model.decode_stack = None
     modules = generate(llm, alone), generate(llm, batch)
     model.decode_stack = stack
     assert fused == modules
+    return one_region
 
 
 @needs_bf16_kernel_path
@@ -56,6 +60,35 @@ def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> None:
 def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arch):
     assert_stack_equals_modules(LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8),
                                 corpus_token_ids)
+
+
+def one_region_possible() -> bool:
+    """Whether this build runs small decode steps as one parallel region (AVX-512 BF16 and oneDNN's packing)."""
+    from quire.kernels import cpu_extension
+
+    kernels = cpu_extension.load()
+    return (kernels is not None and linear_ops.bf16_path() == "onednn" and kernels.onednn_gemv_max_rows() > 0
+            and hasattr(kernels.DecodeStack, "one_region_steps"))
+
+
+@pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "
+                    "and oneDNN-packed bfloat16 weights")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_tokenizer, corpus_token_ids, arch):
+    """Heads of 32 (the width paged_decode's bfloat16 kernel takes): batch-1 and batch-4 decode steps run as one
+    parallel region, with the modules' bits (plain; q/k/v bias; q/k norms and a tied head)."""
+    import dataclasses
+
+    from quire.core.testing.checkpoints import build_checkpoint
+    from tests.conftest import checkpoint_specs
+
+    spec = dataclasses.replace(checkpoint_specs()[arch], head_dim=32, num_hidden_layers=3)
+    folder = build_checkpoint(tmp_path_factory.mktemp(f"one-region-{arch}"), spec, tiny_tokenizer)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=8)
+    stack = model_of(llm).decode_stack
+    assert stack.one_region_max_rows == 8
+    steps = assert_stack_equals_modules(llm, corpus_token_ids)
+    assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
 
 
 @pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])

@@ -18,7 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
            py::arg("quantized") = std::vector<std::vector<std::vector<quire::QuantSegment>>>{})
       .def("forward", &quire::DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &quire::DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &quire::DecodeStack::num_layers)
+      .def_property_readonly("one_region_max_rows", &quire::DecodeStack::one_region_max_rows,
+                             "the most rows a step runs as one parallel region (0: this stack never does)")
+      .def_property_readonly("one_region_steps", &quire::DecodeStack::one_region_steps,
+                             "how many steps have run as one parallel region");
   m.def("quant_linear", &quant_linear, "x @ w.T + bias, w in a GGUF block format or INT8, accumulated in float32");
   m.def("quant_dequantize", &quant_dequantize, "float32 rows of a quantized weight");
   m.def("quant_isa", &quant_isa, "the instruction set the quantized-weight kernels use for a request");

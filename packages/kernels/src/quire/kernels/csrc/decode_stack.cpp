@@ -7,8 +7,16 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <memory>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bf16.h"
 #include "kernels.h"
 
 namespace quire {
@@ -126,6 +134,259 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
                 " heads of ", head_dim);
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "DecodeStack: q_norm without k_norm");
   }
+  // The one-region path: every linear layer read by onednn_gemv's kernel, bfloat16 norms and biases, head_dim
+  // that paged_decode's bfloat16 kernel takes, and gate/up halves that split at a 32-output block.
+  one_region_ = !layers_.empty() && onednn_gemv_blocks_available() && paged_decode_item_available(head_dim) &&
+                final_norm_.scalar_type() == at::kBFloat16;
+  const int64_t hidden = final_norm_.numel();
+  for (const auto& layer : layers_) {
+    intermediate_ = layer.gate_up.out_features / 2;
+    const bool bf16 = layer.input_norm.scalar_type() == at::kBFloat16 &&
+                      layer.post_norm.scalar_type() == at::kBFloat16 &&
+                      (!layer.qkv_bias.has_value() || layer.qkv_bias->scalar_type() == at::kBFloat16) &&
+                      (!layer.o_bias.has_value() || layer.o_bias->scalar_type() == at::kBFloat16) &&
+                      (!layer.q_norm.has_value() || (layer.q_norm->scalar_type() == at::kBFloat16 &&
+                                                     layer.k_norm->scalar_type() == at::kBFloat16));
+    one_region_ = one_region_ && bf16 && layer.qkv.gemv && layer.o_proj.gemv && layer.gate_up.gemv &&
+                  layer.down.gemv && intermediate_ % 32 == 0 && layer.gate_up.out_features == 2 * intermediate_ &&
+                  layer.o_proj.out_features == hidden && layer.down.out_features == hidden &&
+                  layer.qkv.dense.size(1) == hidden && layer.o_proj.dense.size(1) == num_heads * head_dim &&
+                  layer.gate_up.dense.size(1) == hidden && layer.down.dense.size(1) == intermediate_ &&
+                  intermediate_ == layers_.front().gate_up.out_features / 2;
+  }
+}
+
+// ---- one parallel region for a whole decode step of a few rows ----
+//
+// At batch 1 a layer of a small model is ~0.3 ms of weight reads, and the path above spends a good part of
+// it between kernels: each opens and closes its own parallel region (~6 per layer), allocates its output,
+// and the norms, rotations and KV writes run on one thread while the others wait. Here every thread runs
+// the whole stack in one region: the linear layers' 32-output blocks and the attention's KV heads are
+// claimed from shared counters, a barrier follows each, and the small row operations (norms, residual adds)
+// run on every thread at once, each on its own copy, instead of on one thread between two barriers.
+// The gate/up projection and SiLU are fused per block pair (gate block g with up block I/32 + g).
+// Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
+// silu_mul_span, onednn_gemv_block, paged_decode_bf16_item), so the results are the same bits.
+
+namespace {
+
+// the k-pairs view of a padded row buffer (uint32_t) as bfloat16 bits
+inline uint16_t* as_bf16(std::vector<uint32_t>& pairs) { return reinterpret_cast<uint16_t*>(pairs.data()); }
+
+const uint16_t* bf16_data(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+const uint16_t* bf16_data(const std::optional<torch::Tensor>& t) {
+  return t.has_value() ? bf16_data(*t) : nullptr;
+}
+
+// PyTorch's float -> bfloat16 (nearest even; NaN to its canonical quiet NaN), as Tensor.to() stores it
+inline uint16_t to_bf16(float v) { return std::isnan(v) ? uint16_t{0x7FC0} : float_to_bf16(v); }
+
+struct ThreadBuffers {
+  std::vector<uint32_t> x;          // the normed hidden state as k-pairs, rows x P_hidden
+  std::vector<uint16_t> residual[2];
+  std::vector<float> summed;        // rms_norm_row's scratch
+  std::vector<uint16_t> query;      // a KV head's group of rotated query heads
+  std::vector<uint16_t> head;       // a q/k head after its norm
+  std::vector<float> attention;     // the group's float32 attention output
+  std::vector<uint16_t> gate_up;    // rows x (gate block, up block)
+  AttentionScratch scratch;
+};
+
+}  // namespace
+
+torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
+                                              const torch::Tensor& tables, const torch::Tensor& lengths,
+                                              const torch::Tensor& slots, const torch::Tensor& cos,
+                                              const torch::Tensor& sin) const {
+  const int64_t B = hidden.size(0), Hd = hidden.size(1), H = num_heads_, Hk = num_kv_heads_, D = head_dim_;
+  const int64_t group = H / Hk, q_size = H * D, kv_size = Hk * D, I = intermediate_;
+  const int64_t qkv_n = q_size + 2 * kv_size, half = D / 2;
+  const int64_t P_hidden = (Hd + 31) / 32 * 16, P_q = (q_size + 31) / 32 * 16, P_inter = I / 2;
+  const int64_t max_blocks = tables.size(1), num_layers = static_cast<int64_t>(layers_.size());
+  const int64_t block_size = kv_caches[0].size(2), num_slots = kv_caches[0].size(1) * block_size;
+  const int64_t* length_of = lengths.data_ptr<int64_t>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < num_slots, "DecodeStack: slot ", slot_of[b], " is outside the cache");
+    TORCH_CHECK(length_of[b] >= 1 && length_of[b] <= max_blocks * block_size, "DecodeStack: sequence length ",
+                length_of[b], " does not fit its block table");
+    longest = std::max(longest, length_of[b]);
+  }
+  std::vector<const uint16_t*> keys(num_layers), values(num_layers);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const auto& cache = kv_caches[l];
+    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 5 &&
+                    cache.size(2) == block_size && cache.size(1) * block_size == num_slots &&
+                    cache.size(3) == Hk && cache.size(4) == D,
+                "DecodeStack: the KV caches must be contiguous bfloat16 [2, N, block, ", Hk, ", ", D, "]");
+    keys[l] = bf16_data(cache);
+    values[l] = keys[l] + cache.stride(0);
+  }
+  std::vector<const uint16_t*> weights(num_layers * 4);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const auto& layer = layers_[l];
+    weights[l * 4 + 0] = onednn_packed_data(layer.qkv.dense);
+    weights[l * 4 + 1] = onednn_packed_data(layer.o_proj.dense);
+    weights[l * 4 + 2] = onednn_packed_data(layer.gate_up.dense);
+    weights[l * 4 + 3] = onednn_packed_data(layer.down.dense);
+  }
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<ThreadBuffers> buffers(threads);
+  for (auto& t : buffers) {
+    t.x.assign(B * P_hidden, 0);
+    t.residual[0].resize(B * Hd);
+    t.residual[1].resize(B * Hd);
+    t.summed.resize(std::max(Hd, D));
+    t.query.resize(group * D);
+    t.head.resize(D);
+    t.attention.resize(group * D);
+    t.gate_up.resize(B * 64);
+    t.scratch.key_rows.reserve(longest);
+    t.scratch.value_rows.reserve(longest);
+    t.scratch.probs.reserve(group * longest);
+    t.scratch.totals.reserve(group);
+  }
+  // shared: the projections' outputs (each written by whichever thread claims a block), the attention and
+  // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from
+  std::vector<uint16_t> qkv(B * qkv_n), projected(B * Hd), down(B * Hd);
+  std::vector<uint32_t> attention_pairs(B * P_q, 0), act_pairs(B * P_inter, 0);
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * 5]());
+  auto out = torch::empty({B, Hd}, hidden.options());
+  const uint16_t* input = bf16_data(hidden);
+  const uint16_t* cos_p = bf16_data(cos);
+  const uint16_t* sin_p = bf16_data(sin);
+  const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+  const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
+  auto chunk_of = [threads](int64_t blocks) { return std::max<int64_t>(1, blocks / (4 * threads)); };
+  const int64_t qkv_chunk = chunk_of(qkv_blocks), hidden_chunk = chunk_of(hidden_blocks);
+  const int64_t inter_chunk = chunk_of(inter_blocks);
+  // blocks [0, count) of a projection, claimed `chunk` at a time
+  auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
+    for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
+         first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
+      for (int64_t b = first; b < std::min(count, first + chunk); ++b) run(b);
+    }
+  };
+
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    ThreadBuffers& mine = buffers[omp_get_thread_num()];
+#else
+    ThreadBuffers& mine = buffers[0];
+#endif
+    uint16_t* x = as_bf16(mine.x);
+    const uint16_t* residual = input;  // layer 0: the embeddings are the residual
+    int flip = 0;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const auto& layer = layers_[l];
+      std::atomic<int64_t>* counter = &counters[l * 5];
+      // input norm (every thread, its own copy)
+      for (int64_t m = 0; m < B; ++m) {
+        if (l == 0) {
+          rms_norm_row<uint16_t>(input + m * Hd, nullptr, bf16_data(layer.input_norm), x + m * 2 * P_hidden,
+                                 nullptr, Hd, eps, mine.summed.data());
+        } else {
+          rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(layer.input_norm),
+                                 x + m * 2 * P_hidden, mine.residual[flip].data() + m * Hd, Hd, eps,
+                                 mine.summed.data());
+        }
+      }
+      if (l > 0) {
+        residual = mine.residual[flip].data();
+        flip ^= 1;
+      }
+      // qkv
+      const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
+      claim(counter[0], qkv_blocks, qkv_chunk, [&](int64_t b) {
+        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 0], b,
+                          qkv_bias != nullptr ? qkv_bias + b * 32 : nullptr, qkv.data() + b * 32, qkv_n,
+                          std::min<int64_t>(32, qkv_n - b * 32));
+      });
+#pragma omp barrier
+      // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
+      uint16_t* attention_out = as_bf16(attention_pairs);
+      claim(counter[1], B * Hk, 1, [&](int64_t item) {
+        const int64_t m = item / Hk, kv = item % Hk;
+        const uint16_t* row = qkv.data() + m * qkv_n;
+        const uint16_t* c = cos_p + m * half;
+        const uint16_t* s = sin_p + m * half;
+        const int64_t slot_offset = slot_of[m] * kv_size + kv * D;
+        uint16_t* key_slot = const_cast<uint16_t*>(keys[l]) + slot_offset;
+        uint16_t* value_slot = const_cast<uint16_t*>(values[l]) + slot_offset;
+        const uint16_t* key = row + q_size + kv * D;
+        if (layer.k_norm.has_value()) {
+          rms_norm_row<uint16_t>(key, nullptr, bf16_data(layer.k_norm), mine.head.data(), nullptr, D, eps,
+                                 mine.summed.data());
+          key = mine.head.data();
+        }
+        rotate_head<uint16_t>(key, c, s, key_slot, D);
+        std::memcpy(value_slot, row + q_size + kv_size + kv * D, D * sizeof(uint16_t));
+        for (int64_t r = 0; r < group; ++r) {
+          const uint16_t* query = row + (kv * group + r) * D;
+          if (layer.q_norm.has_value()) {
+            rms_norm_row<uint16_t>(query, nullptr, bf16_data(layer.q_norm), mine.head.data(), nullptr, D, eps,
+                                   mine.summed.data());
+            query = mine.head.data();
+          }
+          rotate_head<uint16_t>(query, c, s, mine.query.data() + r * D, D);
+        }
+        paged_decode_bf16_item(mine.query.data(), keys[l], values[l], table + m * max_blocks, length_of[m], kv,
+                               group, Hk, D, block_size, scale, mine.attention.data(), mine.scratch);
+        uint16_t* dst = attention_out + m * 2 * P_q + kv * group * D;
+        for (int64_t i = 0; i < group * D; ++i) dst[i] = to_bf16(mine.attention[i]);
+      });
+#pragma omp barrier
+      // o_proj
+      const uint16_t* o_bias = bf16_data(layer.o_bias);
+      claim(counter[2], hidden_blocks, hidden_chunk, [&](int64_t b) {
+        onednn_gemv_block(attention_pairs.data(), B, P_q, weights[l * 4 + 1], b,
+                          o_bias != nullptr ? o_bias + b * 32 : nullptr, projected.data() + b * 32, Hd,
+                          std::min<int64_t>(32, Hd - b * 32));
+      });
+#pragma omp barrier
+      // post-attention norm (every thread, its own copy)
+      for (int64_t m = 0; m < B; ++m) {
+        rms_norm_row<uint16_t>(projected.data() + m * Hd, residual + m * Hd, bf16_data(layer.post_norm),
+                               x + m * 2 * P_hidden, mine.residual[flip].data() + m * Hd, Hd, eps, mine.summed.data());
+      }
+      residual = mine.residual[flip].data();
+      flip ^= 1;
+      // gate/up block pairs and SiLU
+      uint16_t* act = as_bf16(act_pairs);
+      claim(counter[3], inter_blocks, inter_chunk, [&](int64_t g) {
+        uint16_t* gate = mine.gate_up.data();
+        uint16_t* up = gate + B * 32;
+        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], g, nullptr, gate, 32, 32);
+        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], inter_blocks + g, nullptr, up, 32, 32);
+        for (int64_t m = 0; m < B; ++m) silu_mul_span<uint16_t>(gate + m * 32, up + m * 32, act + m * I + g * 32, 32);
+      });
+#pragma omp barrier
+      // down
+      claim(counter[4], hidden_blocks, hidden_chunk, [&](int64_t b) {
+        onednn_gemv_block(act_pairs.data(), B, P_inter, weights[l * 4 + 3], b, nullptr, down.data() + b * 32, Hd,
+                          std::min<int64_t>(32, Hd - b * 32));
+      });
+#pragma omp barrier
+    }
+#ifdef _OPENMP
+    if (omp_get_thread_num() == 0)
+#endif
+    {
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      for (int64_t m = 0; m < B; ++m) {
+        rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(final_norm_), o + m * Hd,
+                               mine.residual[flip].data() + m * Hd, Hd, eps, mine.summed.data());
+      }
+    }
+  }
+  one_region_steps_.fetch_add(1, std::memory_order_relaxed);
+  return out;
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch::Tensor>& kv_caches,
@@ -142,6 +403,16 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch
   TORCH_CHECK(slots.numel() == B && tables.size(0) == B && lengths.numel() == B,
               "DecodeStack: one slot, block table row and length per token expected");
   const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  if (one_region_ && B >= 1 && B <= kOneRegionMaxRows && hidden.scalar_type() == at::kBFloat16 &&
+      cos_c.scalar_type() == at::kBFloat16 && sin_c.scalar_type() == at::kBFloat16 &&
+      hidden.size(1) == final_norm_.numel() && cos_c.size(0) == B && cos_c.size(1) == head_dim_ / 2 &&
+      sin_c.sizes() == cos_c.sizes()
+#ifdef _OPENMP
+      && !omp_in_parallel()
+#endif
+  ) {
+    return forward_one_region(hidden, kv_caches, tables, lengths, slots, cos_c, sin_c);
+  }
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& layer = layers_[i];

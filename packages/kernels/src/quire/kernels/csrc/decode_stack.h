@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -57,12 +58,25 @@ class DecodeStack {
                         torch::Tensor cos, torch::Tensor sin) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // Whether steps of up to this many rows run as one parallel region (forward_one_region), and how many
+  // steps have so far (for tests).
+  int64_t one_region_max_rows() const { return one_region_ ? kOneRegionMaxRows : 0; }
+  int64_t one_region_steps() const { return one_region_steps_; }
 
  private:
+  static constexpr int64_t kOneRegionMaxRows = 8;  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows
+  torch::Tensor forward_one_region(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
+                                   const torch::Tensor& tables, const torch::Tensor& lengths,
+                                   const torch::Tensor& slots, const torch::Tensor& cos,
+                                   const torch::Tensor& sin) const;
+
   std::vector<DecoderLayerWeights> layers_;
   torch::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
+  bool one_region_ = false;  // every layer bfloat16 through onednn_gemv, shapes its blocks and heads take
+  int64_t intermediate_ = 0;
+  mutable std::atomic<int64_t> one_region_steps_{0};
 };
 
 }  // namespace quire

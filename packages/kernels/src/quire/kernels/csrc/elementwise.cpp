@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -36,36 +37,83 @@ inline int64_t grain_rows(int64_t row_elements, int64_t element_cost = 1) {
   return std::max<int64_t>(1, kElementsPerThread / std::max<int64_t>(1, row_elements * element_cost));
 }
 
+}  // namespace
+
+namespace quire {
+
+// One row each, compiled once (noinline) so that every caller, the batched kernels below and the decoder
+// stack's one-region path (decode_stack.cpp), computes with the same machine code and so the same bits.
+
+template <typename T>
+__attribute__((noinline)) void rms_norm_row(const T* x, const T* residual, const T* weight, T* out,
+                                            T* new_residual, int64_t hidden, float eps, float* summed) {
+  float* v = summed;
+  float squares = 0.f;
+  if (residual != nullptr) {
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float sum = round_as(load(x[i]) + load(residual[i]), T{});  // x + residual, stored in T
+      store(new_residual + i, sum);
+      v[i] = sum;
+      squares += sum * sum;
+    }
+  } else {
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) {
+      v[i] = load(x[i]);
+      squares += v[i] * v[i];
+    }
+  }
+  const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) store(out + i, load(weight[i]) * round_as(v[i] * scale, T{}));
+}
+
+template <typename T>
+__attribute__((noinline)) void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = load(x[i]), x2 = load(x[i + half]), ci = load(cos[i]), si = load(sin[i]);
+    store(out + i, round_as(x1 * ci, T{}) - round_as(x2 * si, T{}));
+    store(out + i + half, round_as(x2 * ci, T{}) + round_as(x1 * si, T{}));
+  }
+}
+
+template <typename T>
+__attribute__((noinline)) void silu_mul_span(const T* gate, const T* up, T* out, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) {
+    const float g = load(gate[i]);
+    // NOTE: in double, close enough to correctly rounded that the result is PyTorch's to the bit; a
+    // float exp's last-bit errors flipped bfloat16 greedy tokens against transformers
+    const double sigmoid_times_g = g / (1.0 + std::exp(-static_cast<double>(g)));
+    const float activated = round_as(static_cast<float>(sigmoid_times_g), T{});
+    store(out + i, activated * load(up[i]));
+  }
+}
+
+template void rms_norm_row<float>(const float*, const float*, const float*, float*, float*, int64_t, float, float*);
+template void rms_norm_row<uint16_t>(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, uint16_t*, int64_t,
+                                     float, float*);
+template void rotate_head<float>(const float*, const float*, const float*, float*, int64_t);
+template void rotate_head<uint16_t>(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+template void silu_mul_span<float>(const float*, const float*, float*, int64_t);
+template void silu_mul_span<uint16_t>(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+
+}  // namespace quire
+
+namespace {
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows,
                    int64_t hidden, float eps) {
   quire::parallel_chunks(0, rows, quire::chunk_size(rows, grain_rows(hidden)), [&](int64_t begin, int64_t end) {
     std::vector<float> summed(hidden);
-    float* v = summed.data();
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * hidden;
-      float squares = 0.f;
-      if (residual != nullptr) {
-        const T* rr = residual + r * hidden;
-        T* nr = new_residual + r * hidden;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; ++i) {
-          const float sum = round_as(load(xr[i]) + load(rr[i]), T{});  // x + residual, stored in T
-          store(nr + i, sum);
-          v[i] = sum;
-          squares += sum * sum;
-        }
-      } else {
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < hidden; ++i) {
-          v[i] = load(xr[i]);
-          squares += v[i] * v[i];
-        }
-      }
-      const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-      T* o = out + r * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) store(o + i, load(weight[i]) * round_as(v[i] * scale, T{}));
+      quire::rms_norm_row(x + r * hidden, residual != nullptr ? residual + r * hidden : nullptr, weight,
+                          out + r * hidden, residual != nullptr ? new_residual + r * hidden : nullptr, hidden, eps,
+                          summed.data());
     }
   });
 }
@@ -76,17 +124,9 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
   const int64_t chunk = quire::chunk_size(tokens, grain_rows(heads * dim));
   quire::parallel_chunks(0, tokens, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * half;
-      const T* s = sin + t * half;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + (t * heads + h) * dim;
-        T* o = out + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = load(xr[i]), x2 = load(xr[i + half]), ci = load(c[i]), si = load(s[i]);
-          store(o + i, round_as(x1 * ci, T{}) - round_as(x2 * si, T{}));
-          store(o + i + half, round_as(x2 * ci, T{}) + round_as(x1 * si, T{}));
-        }
+        quire::rotate_head(x + (t * heads + h) * dim, cos + t * half, sin + t * half, out + (t * heads + h) * dim,
+                           dim);
       }
     }
   });
@@ -104,17 +144,7 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t dim) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / pieces, first = (item % pieces) * width, last = std::min(dim, first + width);
       const T* gate = x + r * 2 * dim;
-      const T* up = gate + dim;
-      T* o = out + r * dim;
-#pragma omp simd
-      for (int64_t i = first; i < last; ++i) {
-        const float g = load(gate[i]);
-        // NOTE: in double, close enough to correctly rounded that the result is PyTorch's to the bit; a
-        // float exp's last-bit errors flipped bfloat16 greedy tokens against transformers
-        const double sigmoid_times_g = g / (1.0 + std::exp(-static_cast<double>(g)));
-        const float activated = round_as(static_cast<float>(sigmoid_times_g), T{});
-        store(o + i, activated * load(up[i]));
-      }
+      quire::silu_mul_span(gate + first, gate + dim + first, out + r * dim + first, last - first);
     }
   });
 }

@@ -31,3 +31,37 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor data, c10::optional<to
 torch::Tensor quant_dequantize(torch::Tensor data, c10::optional<torch::Tensor> scale, const std::string& qtype,
                                c10::optional<torch::Tensor> rows, const std::string& isa);
 std::string quant_isa(const std::string& requested);
+
+// Row-level pieces of the kernels above, for the decoder stack's one-region path (decode_stack.cpp), which
+// splits the work over its threads itself. Each is compiled once, so every caller gets the same bits.
+namespace quire {
+// out = weight * x / rms(x), with x += residual first where residual is given (new_residual = that sum);
+// `summed`: scratch for `hidden` floats. T: float or uint16_t (bfloat16 bits).
+template <typename T>
+void rms_norm_row(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t hidden, float eps,
+                  float* summed);
+// One head of rotate (rotate-half layout): cos/sin hold dim / 2 values.
+template <typename T>
+void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t dim);
+// out[i] = silu(gate[i]) * up[i] for count values.
+template <typename T>
+void silu_mul_span(const T* gate, const T* up, T* out, int64_t count);
+// onednn_gemv's kernel for one 32-output block of a packed weight (onednn_gemv.cpp; `packed_data` from
+// onednn_packed_data): rows (<= 8) of x as k-pairs (`P` per row, zero past K), the block's outputs (count <= 32,
+// bias already offset to them or null) to out (row stride out_stride). Unavailable in a build without AVX-512 BF16.
+bool onednn_gemv_blocks_available();
+const uint16_t* onednn_packed_data(const torch::Tensor& packed);
+void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
+                       const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
+// paged_decode's bfloat16 kernel for one request and KV head (paged_decode.cpp): the `group` query heads that
+// share it (query: group x head_dim bfloat16, rotated), over `length` cached tokens in `blocks`; float32
+// output [group, head_dim]. False in a build without AVX-512 BF16 (or head_dim not a multiple of 32).
+struct AttentionScratch {
+  std::vector<const uint16_t*> key_rows, value_rows;
+  std::vector<float> probs, totals;
+};
+bool paged_decode_item_available(int64_t head_dim);
+void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                            const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch);
+}  // namespace quire

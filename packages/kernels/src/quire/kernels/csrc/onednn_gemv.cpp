@@ -196,6 +196,33 @@ bool onednn_gemv_layout(torch::Tensor packed) {
 #endif
 }
 
+namespace quire {
+
+bool onednn_gemv_blocks_available() {
+#ifdef QUIRE_ONEDNN_GEMV
+  return true;
+#else
+  return false;
+#endif
+}
+
+const uint16_t* onednn_packed_data(const torch::Tensor& packed) {
+  return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+}
+
+void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
+                       const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
+#ifdef QUIRE_ONEDNN_GEMV
+  kGemv[rows - 1](pairs, P, packed_data + block * P * 2 * kBlock, out, out_stride, bias, count);
+#else
+  (void)pairs, (void)rows, (void)P, (void)packed_data, (void)block, (void)bias, (void)out, (void)out_stride,
+      (void)count;
+  TORCH_CHECK(false, "onednn_gemv_block: this build has no AVX-512 BF16");
+#endif
+}
+
+}  // namespace quire
+
 torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
 #ifdef QUIRE_ONEDNN_GEMV
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_gemv: x must be [M, K] bfloat16");

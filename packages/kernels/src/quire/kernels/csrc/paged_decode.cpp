@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -238,84 +239,95 @@ constexpr AccumulateFn kAccumulate[8] = {accumulate_values<1>, accumulate_values
                                          accumulate_values<4>, accumulate_values<5>, accumulate_values<6>,
                                          accumulate_values<7>, accumulate_values<8>};
 
+// One request and KV head: the `group` query heads (rotated, [group, head_dim]) that share it.
+__attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_t* key_cache,
+                                                const uint16_t* value_cache, const int64_t* blocks, int64_t length,
+                                                int64_t kv, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                                                int64_t block_size, float scale, float* out,
+                                                quire::AttentionScratch& scratch) {
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
+  auto& key_rows = scratch.key_rows;
+  auto& value_rows = scratch.value_rows;
+  auto& probs = scratch.probs;
+  auto& totals = scratch.totals;
+  key_rows.resize(length);
+  value_rows.resize(length);
+  for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
+    const int64_t base = blocks[b] * block_stride + kv * head_dim;
+    const int64_t count = std::min(block_size, length - t0);
+    for (int64_t i = 0; i < count; ++i) {
+      key_rows[t0 + i] = key_cache + base + i * token_stride;
+      value_rows[t0 + i] = value_cache + base + i * token_stride;
+    }
+  }
+  probs.resize(group * length);
+  totals.resize(group);
+  // scores, sixteen tokens at a time per query head
+  for (int64_t t0 = 0; t0 < length; t0 += kTile) {
+    const int count = static_cast<int>(std::min<int64_t>(kTile, length - t0));
+    if (t0 + kTile < length) {
+      const int64_t next = std::min<int64_t>(kTile, length - t0 - kTile);
+      for (int64_t j = 0; j < next; ++j) prefetch_row(key_rows[t0 + kTile + j], head_dim * 2);
+    }
+    // the values are read after every score: ask for them now, while the scores are computed
+    for (int j = 0; j < count; ++j) prefetch_row(value_rows[t0 + j], head_dim * 2);
+    for (int64_t r = 0; r < group; ++r) {
+      const uint16_t* qr = q + r * head_dim;
+      __m512 partial[kTile];
+      for (int j = 0; j < kTile; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        if (j < count) {
+          for (int64_t c = 0; c < chunks; ++c)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qr + 32 * c),
+                                   (__m512bh)_mm512_loadu_si512(key_rows[t0 + j] + 32 * c));
+        }
+        partial[j] = sum;
+      }
+      const __m512 scores = _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    float* s = &probs[r * length];
+    const float maximum = max_score(s, length);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < length; ++t) {
+      const float p = std::exp(s[t] - maximum);
+      total += p;
+      s[t] = probability_weight(p, uint16_t{});
+    }
+    totals[r] = total;
+  }
+  for (int64_t r0 = 0; r0 < group; r0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, group - r0);
+    for (int64_t slice = 0; slice < head_dim; slice += 32)
+      kAccumulate[rows - 1](&probs[r0 * length], length, value_rows.data(), slice, out + r0 * head_dim, head_dim);
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    const float inverse = 1.f / totals[r];
+    for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] *= inverse;
+  }
+}
+
 void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
                         const int64_t* block_tables, const int64_t* seq_lens, float* output, int64_t num_requests,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
   // A thread takes all the KV heads of a request together when there are requests enough to go round: the
   // heads of a token share its cache lines, which then come from memory once for all of them.
   const int64_t chunk = num_requests >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   quire::parallel_chunks(0, num_requests * num_kv_heads, chunk, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<const uint16_t*> key_rows, value_rows;  // reused across chunks
-    thread_local std::vector<float> probs, totals;
+    thread_local quire::AttentionScratch scratch;  // reused across chunks
     for (int64_t item = begin; item < end; ++item) {
       const int64_t request = item / num_kv_heads, kv = item % num_kv_heads;
-      const int64_t length = seq_lens[request];
-      const int64_t* blocks = block_tables + request * max_blocks;
-      key_rows.resize(length);
-      value_rows.resize(length);
-      for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
-        const int64_t base = blocks[b] * block_stride + kv * head_dim;
-        const int64_t count = std::min(block_size, length - t0);
-        for (int64_t i = 0; i < count; ++i) {
-          key_rows[t0 + i] = key_cache + base + i * token_stride;
-          value_rows[t0 + i] = value_cache + base + i * token_stride;
-        }
-      }
-      const uint16_t* q = query + (request * num_heads + kv * group) * head_dim;
-      probs.resize(group * length);
-      totals.resize(group);
-      // scores, sixteen tokens at a time per query head
-      for (int64_t t0 = 0; t0 < length; t0 += kTile) {
-        const int count = static_cast<int>(std::min<int64_t>(kTile, length - t0));
-        if (t0 + kTile < length) {
-          const int64_t next = std::min<int64_t>(kTile, length - t0 - kTile);
-          for (int64_t j = 0; j < next; ++j) prefetch_row(key_rows[t0 + kTile + j], head_dim * 2);
-        }
-        // the values are read after every score: ask for them now, while the scores are computed
-        for (int j = 0; j < count; ++j) prefetch_row(value_rows[t0 + j], head_dim * 2);
-        for (int64_t r = 0; r < group; ++r) {
-          const uint16_t* qr = q + r * head_dim;
-          __m512 partial[kTile];
-          for (int j = 0; j < kTile; ++j) {
-            __m512 sum = _mm512_setzero_ps();
-            if (j < count) {
-              for (int64_t c = 0; c < chunks; ++c)
-                sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qr + 32 * c),
-                                       (__m512bh)_mm512_loadu_si512(key_rows[t0 + j] + 32 * c));
-            }
-            partial[j] = sum;
-          }
-          const __m512 scores = _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
-        }
-      }
-      for (int64_t r = 0; r < group; ++r) {
-        float* s = &probs[r * length];
-        const float maximum = max_score(s, length);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < length; ++t) {
-          const float p = std::exp(s[t] - maximum);
-          total += p;
-          s[t] = probability_weight(p, uint16_t{});
-        }
-        totals[r] = total;
-      }
-      float* out = output + (request * num_heads + kv * group) * head_dim;
-      for (int64_t r0 = 0; r0 < group; r0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, group - r0);
-        for (int64_t slice = 0; slice < head_dim; slice += 32)
-          kAccumulate[rows - 1](&probs[r0 * length], length, value_rows.data(), slice, out + r0 * head_dim, head_dim);
-      }
-      for (int64_t r = 0; r < group; ++r) {
-        const float inverse = 1.f / totals[r];
-        for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] *= inverse;
-      }
+      const int64_t offset = (request * num_heads + kv * group) * head_dim;
+      decode_bf16_item(query + offset, key_cache, value_cache, block_tables + request * max_blocks,
+                       seq_lens[request], kv, group, num_kv_heads, head_dim, block_size, scale, output + offset,
+                       scratch);
     }
   });
 }
@@ -361,3 +373,29 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 }
 
 
+
+namespace quire {
+
+bool paged_decode_item_available(int64_t head_dim) {
+#ifdef QUIRE_HAVE_AVX512_BF16
+  return head_dim % 32 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                            const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch) {
+#ifdef QUIRE_HAVE_AVX512_BF16
+  decode_bf16_item(query, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size, scale,
+                   out, scratch);
+#else
+  (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)length, (void)kv, (void)group,
+      (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)scratch;
+  TORCH_CHECK(false, "paged_decode_bf16_item: this build has no AVX-512 BF16");
+#endif
+}
+
+}  // namespace quire
