@@ -43,13 +43,21 @@ from quire.openai_server.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
-from quire.openai_server.serving import ServerState
+from quire.openai_server.serving import OUTER_SEND, ServerState
 from quire.openai_server.settings import ServerSettings
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503, 504)}
 # with "stream": true the generation routes answer with server-sent events
 GENERATION = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _DISCONNECTED = 499  # the client went away before the answer; nobody reads this status
+
+
+class QuireApp(FastAPI):
+    """FastAPI that keeps the server's own ``send`` in the scope (``OUTER_SEND``) for streamed events."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[OUTER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
@@ -60,7 +68,7 @@ def build_app(engine: EngineClient | None, settings: ServerSettings) -> FastAPI:
     state = ServerState(engine=None, settings=settings, metrics=ServerMetrics(settings.served_model_names[0]))
     if engine is not None:
         attach_engine(state, engine)
-    app = FastAPI(title="Quire OpenAI-compatible API", version=settings.version)
+    app = QuireApp(title="Quire OpenAI-compatible API", version=settings.version)
     app.state.server = state
     install_error_handlers(app)
     _add_generation_routes(app)

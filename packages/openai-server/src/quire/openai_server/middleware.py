@@ -8,7 +8,6 @@ import json
 import uuid
 
 from quire.openai_server.errors import error_body
-from quire.openai_server.serving import OUTER_SEND
 
 # Routes that answer without an API key: liveness and version probes only (deny by default).
 UNGUARDED_PATHS = frozenset({"/health", "/ping", "/live", "/version"})
@@ -47,7 +46,6 @@ class ServerMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope["request_id"] = request_id
-        scope[OUTER_SEND] = send
         path = scope["path"].rstrip("/") or "/"
         id_header = (b"x-request-id", request_id.encode("latin-1"))
 

@@ -304,7 +304,8 @@ async def until_disconnect(request: Request, work: Awaitable):
     return work_task.result()
 
 
-# The ``send`` the outermost middleware received, kept in the scope: streamed events go straight to it.
+# The ``send`` the application received from the server (``QuireApp``), kept in the scope: streamed
+# events go straight to it.
 OUTER_SEND = "quire_outer_send"
 
 
@@ -312,8 +313,9 @@ class EventStream(Response):
     """A ``text/event-stream`` response from an async iterator of encoded events.
 
     The response start passes every middleware (which add headers and note that a response began);
-    the events go to the ``send`` the outermost middleware received (``OUTER_SEND``): the middlewares
-    in between pass body messages through untouched, and a streamed token would otherwise cross each.
+    the events go to the ``send`` the application received from the server (``OUTER_SEND``): the
+    middlewares in between pass body messages through untouched, and a streamed token would otherwise
+    cross each.
     A client that disconnects cancels the stream, whose generator then aborts its requests.
     """
 
@@ -327,8 +329,9 @@ class EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        send_event = scope.get(OUTER_SEND, send)
-        streaming = asyncio.current_task()
+        # The events are written from a task of their own: a token's wake-up then resumes the few frames
+        # of that task, not the ~20 of the route, middleware and server chain this coroutine runs under.
+        pump = asyncio.ensure_future(self._pump(scope.get(OUTER_SEND, send)))
         gone = False
 
         async def watch() -> None:
@@ -336,19 +339,27 @@ class EventStream(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
             gone = True
-            streaming.cancel()
+            pump.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        try:
+            await pump  # cancelling this task cancels the pump too
+        except asyncio.CancelledError:
+            if not gone or not pump.cancelled():
+                raise
+            # the client left: nothing more to send, nothing to report
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def _pump(self, send_event) -> None:
         try:
             async for event in self.events:
                 await send_event({"type": "http.response.body", "body": event, "more_body": True})
             await send_event({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            streaming.uncancel()  # the client left: nothing more to send, nothing to report
         finally:
-            watcher.cancel()
             await self.events.aclose()
 
 
