@@ -91,6 +91,17 @@ def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_token
     assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
 
 
+@pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "
+                    "and oneDNN-packed bfloat16 weights")
+def test_one_region_can_be_switched_off(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("QUIRE_DECODE_ONE_REGION", "0")
+    llm = LLM(tiny_checkpoint("qwen3"), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    stack = model_of(llm).decode_stack
+    assert stack.one_region_max_rows == 0
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert stack.one_region_steps == 0
+
+
 @pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "float32"), ("qwen3", "bfloat16")])
 def test_stack_on_int8_weights_equals_modules_on_any_cpu(tiny_checkpoint, corpus_token_ids, arch, dtype):
     llm = LLM(tiny_checkpoint(arch), dtype=dtype, quantization="int8", max_model_len=256, max_num_seqs=8)

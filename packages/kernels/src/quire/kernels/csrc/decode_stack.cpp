@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -154,6 +156,8 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
                   layer.gate_up.dense.size(1) == hidden && layer.down.dense.size(1) == intermediate_ &&
                   intermediate_ == layers_.front().gate_up.out_features / 2;
   }
+  const char* setting = std::getenv("QUIRE_DECODE_ONE_REGION");  // "0": always the kernel-by-kernel path
+  if (setting != nullptr && std::string(setting) == "0") one_region_ = false;
 }
 
 // ---- one parallel region for a whole decode step of a few rows ----
@@ -164,7 +168,8 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
 // the whole stack in one region: the linear layers' 32-output blocks and the attention's KV heads are
 // claimed from shared counters, a barrier follows each, and the small row operations (norms, residual adds)
 // run on every thread at once, each on its own copy, instead of on one thread between two barriers.
-// The gate/up projection and SiLU are fused per block pair (gate block g with up block I/32 + g).
+// Gate/up and SiLU are fused: a thread claims a run of gate blocks, computes it and the matching run of up
+// blocks (I/32 further on), then their SiLU-and-multiply straight into the down projection's input.
 // Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
 // silu_mul_span, onednn_gemv_block, paged_decode_bf16_item), so the results are the same bits.
 
@@ -236,6 +241,10 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     weights[l * 4 + 3] = onednn_packed_data(layer.down.dense);
   }
   const int threads = std::max(1, at::get_num_threads());
+  const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
+  auto chunk_of = [threads](int64_t blocks) { return std::max<int64_t>(1, blocks / (4 * threads)); };
+  const int64_t qkv_chunk = chunk_of(qkv_blocks), hidden_chunk = chunk_of(hidden_blocks);
+  const int64_t inter_chunk = chunk_of(inter_blocks);
   std::vector<ThreadBuffers> buffers(threads);
   for (auto& t : buffers) {
     t.x.assign(B * P_hidden, 0);
@@ -245,7 +254,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     t.query.resize(group * D);
     t.head.resize(D);
     t.attention.resize(group * D);
-    t.gate_up.resize(B * 64);
+    t.gate_up.resize(B * 64 * inter_chunk);
     t.scratch.key_rows.reserve(longest);
     t.scratch.value_rows.reserve(longest);
     t.scratch.probs.reserve(group * longest);
@@ -261,10 +270,6 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   const uint16_t* cos_p = bf16_data(cos);
   const uint16_t* sin_p = bf16_data(sin);
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-  const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
-  auto chunk_of = [threads](int64_t blocks) { return std::max<int64_t>(1, blocks / (4 * threads)); };
-  const int64_t qkv_chunk = chunk_of(qkv_blocks), hidden_chunk = chunk_of(hidden_blocks);
-  const int64_t inter_chunk = chunk_of(inter_blocks);
   // blocks [0, count) of a projection, claimed `chunk` at a time
   auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
     for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
@@ -357,15 +362,22 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       }
       residual = mine.residual[flip].data();
       flip ^= 1;
-      // gate/up block pairs and SiLU
+      // gate/up and SiLU, a claimed run of gate blocks, then the same run of up blocks (two long streams)
       uint16_t* act = as_bf16(act_pairs);
-      claim(counter[3], inter_blocks, inter_chunk, [&](int64_t g) {
+      for (int64_t first = counter[3].fetch_add(inter_chunk, std::memory_order_relaxed); first < inter_blocks;
+           first = counter[3].fetch_add(inter_chunk, std::memory_order_relaxed)) {
+        const int64_t count = std::min(inter_blocks, first + inter_chunk) - first, width = count * 32;
         uint16_t* gate = mine.gate_up.data();
-        uint16_t* up = gate + B * 32;
-        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], g, nullptr, gate, 32, 32);
-        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], inter_blocks + g, nullptr, up, 32, 32);
-        for (int64_t m = 0; m < B; ++m) silu_mul_span<uint16_t>(gate + m * 32, up + m * 32, act + m * I + g * 32, 32);
-      });
+        uint16_t* up = gate + B * width;
+        for (int64_t g = 0; g < count; ++g)
+          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], first + g, nullptr, gate + g * 32, width, 32);
+        for (int64_t g = 0; g < count; ++g) {
+          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], inter_blocks + first + g, nullptr,
+                            up + g * 32, width, 32);
+        }
+        for (int64_t m = 0; m < B; ++m)
+          silu_mul_span<uint16_t>(gate + m * width, up + m * width, act + m * I + first * 32, width);
+      }
 #pragma omp barrier
       // down
       claim(counter[4], hidden_blocks, hidden_chunk, [&](int64_t b) {
