@@ -272,7 +272,9 @@ struct IntDotSink {
 // bit-identical alone or with up to 7 others (speculative decoding's greedy output must equal plain
 // decoding's) ----
 
-#define QUIRE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+// NOTE: a lambda does not take its enclosing function's target: one that calls intrinsics names it too (else a
+// build for a CPU without AVX-512, where this code is compiled but never run, fails to inline them).
+#define QUIRE_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
 
 // The rows of QuantizedX arranged for dot_pairs, by pairs of groups (blocks A, B) and quarters q of them; the
 // quarter q of rows 2j and 2j + 1 (twins) together, so that they load as one vector. An odd last group is
@@ -338,7 +340,7 @@ QUIRE_AVX512_VNNI inline void dot_pairs(const uint8_t* row, int64_t num_blocks, 
   __m512 twin[kTwins > 0 ? kTwins : 1], offset = _mm512_setzero_ps();
   __m128 narrow_offset = _mm_setzero_ps();
   __m256 lone = _mm256_setzero_ps();
-  static_for<kTwins>([&](auto j) { twin[decltype(j)::value] = _mm512_setzero_ps(); });
+  static_for<kTwins>([&](auto j) QUIRE_AVX512_VNNI { twin[decltype(j)::value] = _mm512_setzero_ps(); });
   const int16_t* values = x.values;
   const float* x_scale = x.scale;
   const float* x_sum = x.sum;
@@ -394,10 +396,10 @@ QUIRE_AVX512_VNNI inline void dot_pairs(const uint8_t* row, int64_t num_blocks, 
       }
     }
     const int16_t* quarters = values + 64 * MR * p;
-    static_for<kTwins>([&](auto j) {
+    static_for<kTwins>([&](auto j) QUIRE_AVX512_VNNI {
       constexpr int J = decltype(j)::value;
       __m512i sums = _mm512_setzero_si512();
-      static_for<4>([&](auto q) {
+      static_for<4>([&](auto q) QUIRE_AVX512_VNNI {
         constexpr int Q4 = decltype(q)::value;
         sums = _mm512_dpwssd_epi32(sums, w_twin[Q4], _mm512_loadu_si512(quarters + 128 * J + 32 * Q4));
       });
@@ -422,7 +424,7 @@ QUIRE_AVX512_VNNI inline void dot_pairs(const uint8_t* row, int64_t num_blocks, 
   alignas(64) float offsets[16];
   _mm512_store_ps(offsets, offset);
   if constexpr (kIsNarrow) _mm_store_ps(offsets, narrow_offset);
-  static_for<kTwins>([&](auto j) {
+  static_for<kTwins>([&](auto j) QUIRE_AVX512_VNNI {
     constexpr int J = decltype(j)::value;
     out[2 * J] = sum_lanes(_mm512_castps512_ps256(twin[J]));
     out[2 * J + 1] = sum_lanes(_mm512_extractf32x8_ps(twin[J], 1));
