@@ -96,6 +96,21 @@ inline float max_score(const float* scores, int64_t n) {
   return maximum;
 }
 
+// Scores to softmax weights in place (exp(s - max), as probability_weight stores them for T's cache);
+// returns the float32 sum of the unrounded exponentials, which divides the weighted values at the end.
+template <typename T>
+inline float softmax_weights(float* s, int64_t length) {
+  const float maximum = max_score(s, length);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < length; ++t) {
+    const float p = std::exp(s[t] - maximum);
+    total += p;
+    s[t] = probability_weight(p, T{});
+  }
+  return total;
+}
+
 // Blocks sit anywhere in the cache: ask for the next block's row while this block's is being used, so
 // that a jump between blocks does not stall on memory latency.
 inline void prefetch_row(const void* row, int64_t bytes) {
@@ -144,18 +159,7 @@ void decode(const float* query, const T* key_cache, const T* value_cache, const 
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = &scores[r * length];
-        const float maximum = max_score(s, length);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < length; ++t) {
-          const float p = std::exp(s[t] - maximum);
-          total += p;
-          s[t] = probability_weight(p, T{});
-        }
-        totals[r] = total;
-      }
+      for (int64_t r = 0; r < rows; ++r) totals[r] = softmax_weights<T>(&scores[r * length], length);
       // pass 2: the weighted sum of values
       accumulator.assign(rows * head_dim, 0.f);
       for (int64_t t0 = 0; t0 < length; t0 += block_size) {
@@ -289,18 +293,7 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
       _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
     }
   }
-  for (int64_t r = 0; r < group; ++r) {
-    float* s = &probs[r * length];
-    const float maximum = max_score(s, length);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < length; ++t) {
-      const float p = std::exp(s[t] - maximum);
-      total += p;
-      s[t] = probability_weight(p, uint16_t{});
-    }
-    totals[r] = total;
-  }
+  for (int64_t r = 0; r < group; ++r) totals[r] = softmax_weights<uint16_t>(&probs[r * length], length);
   for (int64_t r0 = 0; r0 < group; r0 += 8) {
     const int64_t rows = std::min<int64_t>(8, group - r0);
     for (int64_t slice = 0; slice < head_dim; slice += 32)
