@@ -270,12 +270,17 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   const uint16_t* cos_p = bf16_data(cos);
   const uint16_t* sin_p = bf16_data(sin);
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-  // blocks [0, count) of a projection, claimed `chunk` at a time
+  // run(first, last) over [0, count), claimed `chunk` at a time from a phase's counter
   auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
     for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
          first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
-      for (int64_t b = first; b < std::min(count, first + chunk); ++b) run(b);
+      run(first, std::min(count, first + chunk));
     }
+  };
+  auto each = [](auto&& run) {  // run(i) for each index of a claimed range
+    return [&run](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) run(i);
+    };
   };
 
 #pragma omp parallel num_threads(threads)
@@ -308,15 +313,15 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       }
       // qkv
       const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
-      claim(counter[0], qkv_blocks, qkv_chunk, [&](int64_t b) {
+      claim(counter[0], qkv_blocks, qkv_chunk, each([&](int64_t b) {
         onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 0], b,
                           qkv_bias != nullptr ? qkv_bias + b * 32 : nullptr, qkv.data() + b * 32, qkv_n,
                           std::min<int64_t>(32, qkv_n - b * 32));
-      });
+      }));
 #pragma omp barrier
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
       uint16_t* attention_out = as_bf16(attention_pairs);
-      claim(counter[1], B * Hk, 1, [&](int64_t item) {
+      claim(counter[1], B * Hk, 1, each([&](int64_t item) {
         const int64_t m = item / Hk, kv = item % Hk;
         const uint16_t* row = qkv.data() + m * qkv_n;
         const uint16_t* c = cos_p + m * half;
@@ -345,15 +350,15 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                                group, Hk, D, block_size, scale, mine.attention.data(), mine.scratch);
         uint16_t* dst = attention_out + m * 2 * P_q + kv * group * D;
         for (int64_t i = 0; i < group * D; ++i) dst[i] = to_bf16(mine.attention[i]);
-      });
+      }));
 #pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
-      claim(counter[2], hidden_blocks, hidden_chunk, [&](int64_t b) {
+      claim(counter[2], hidden_blocks, hidden_chunk, each([&](int64_t b) {
         onednn_gemv_block(attention_pairs.data(), B, P_q, weights[l * 4 + 1], b,
                           o_bias != nullptr ? o_bias + b * 32 : nullptr, projected.data() + b * 32, Hd,
                           std::min<int64_t>(32, Hd - b * 32));
-      });
+      }));
 #pragma omp barrier
       // post-attention norm (every thread, its own copy)
       for (int64_t m = 0; m < B; ++m) {
@@ -364,9 +369,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       flip ^= 1;
       // gate/up and SiLU, a claimed run of gate blocks, then the same run of up blocks (two long streams)
       uint16_t* act = as_bf16(act_pairs);
-      for (int64_t first = counter[3].fetch_add(inter_chunk, std::memory_order_relaxed); first < inter_blocks;
-           first = counter[3].fetch_add(inter_chunk, std::memory_order_relaxed)) {
-        const int64_t count = std::min(inter_blocks, first + inter_chunk) - first, width = count * 32;
+      claim(counter[3], inter_blocks, inter_chunk, [&](int64_t first, int64_t last) {
+        const int64_t count = last - first, width = count * 32;
         uint16_t* gate = mine.gate_up.data();
         uint16_t* up = gate + B * width;
         for (int64_t g = 0; g < count; ++g)
@@ -377,13 +381,13 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
         }
         for (int64_t m = 0; m < B; ++m)
           silu_mul_span<uint16_t>(gate + m * width, up + m * width, act + m * I + first * 32, width);
-      }
+      });
 #pragma omp barrier
       // down
-      claim(counter[4], hidden_blocks, hidden_chunk, [&](int64_t b) {
+      claim(counter[4], hidden_blocks, hidden_chunk, each([&](int64_t b) {
         onednn_gemv_block(act_pairs.data(), B, P_inter, weights[l * 4 + 3], b, nullptr, down.data() + b * 32, Hd,
                           std::min<int64_t>(32, Hd - b * 32));
-      });
+      }));
 #pragma omp barrier
     }
 #ifdef _OPENMP
