@@ -127,20 +127,16 @@ CPU_HAS_AMX = "amx_bf16" in open("/proc/cpuinfo").read()
 
 @pytest.mark.skipif(CPU_KERNELS is None or not CPU_HAS_AMX, reason="needs the C++ kernels on a CPU with AMX-BF16")
 def test_bf16_decode_takes_amx_tiles_where_the_cpu_has_them():
-    uses_amx = CPU_KERNELS.paged_decode_uses_amx
-    assert uses_amx(9, 16, 3) and uses_amx(64, 32, 16)
+    assert CPU_KERNELS.paged_decode_uses_amx(16, 3) and CPU_KERNELS.paged_decode_uses_amx(32, 16)
     # a 16-token tile of keys must come from one block, and a tile has 16 columns for query heads
-    assert not uses_amx(64, 8, 3) and not uses_amx(64, 16, 17)
-    # a few requests (the one-region decoder stack's steps among them) stay on the vector path
-    assert not uses_amx(8, 16, 3)
+    assert not CPU_KERNELS.paged_decode_uses_amx(8, 3) and not CPU_KERNELS.paged_decode_uses_amx(16, 17)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])  # 8: the AVX-512 vector path; 16 and 32: AMX where present
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(32, 3, 3), (64, 9, 3), (128, 8, 1), (64, 34, 2)])
 def test_bf16_decodes_ignore_free_slots_and_match_dense(block_size, head_dim, num_heads, num_kv_heads):
     """Every length around the 16- and 32-token tiles, with NaN in the slots past each length; heads of 32, 64 and
-    128 values (one, two and four of AMX's 32-value steps), one to 17 query heads per KV head; 11 requests (enough
-    for the AMX path)."""
+    128 values (one, two and four of AMX's 32-value steps), one to 17 query heads per KV head."""
     g = torch.Generator().manual_seed(17)
     seq_lens = [1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100]
     kv, table, keys, values = write_requests(seq_lens, 120, block_size, num_kv_heads, head_dim, torch.bfloat16, g)

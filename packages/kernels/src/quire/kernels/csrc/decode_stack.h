@@ -9,8 +9,6 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels.h"
-
 namespace quire {
 
 // One row segment of a quantized weight as quire.kernels.quant.QuantizedWeight holds it: (data, scale, qtype).
@@ -67,7 +65,6 @@ class DecodeStack {
 
  private:
   static constexpr int64_t kOneRegionMaxRows = 8;  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows
-  static_assert(kOneRegionMaxRows < kPagedDecodeAmxMinRequests, "the stack's attention item is the vector path's");
   torch::Tensor forward_one_region(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
                                    const torch::Tensor& tables, const torch::Tensor& lengths,
                                    const torch::Tensor& slots, const torch::Tensor& cos,

@@ -6,13 +6,9 @@
 #include <string>
 #include <vector>
 
-// Whether paged_decode's bfloat16 kernel (head_dim a multiple of 32) runs on AMX tiles for a batch of this
-// many requests, cache block size and number of query heads per KV head (AMX in the build and allowed;
-// QUIRE_AMX_ATTENTION=0 says no). Batches of fewer than kPagedDecodeAmxMinRequests stay on the vector path:
-// there the tiles' set-up per item cost batch-1 decode ~1%, and the one-region decoder stack (up to 8 rows)
-// calls the vector item (paged_decode_bf16_item), whose bits its batched twin must give.
-constexpr int64_t kPagedDecodeAmxMinRequests = 9;
-bool paged_decode_uses_amx(int64_t num_requests, int64_t block_size, int64_t group);
+// Whether paged_decode's bfloat16 kernel (head_dim a multiple of 32) runs on AMX tiles for this cache block
+// size and number of query heads per KV head (AMX in the build and allowed; QUIRE_AMX_ATTENTION=0 says no).
+bool paged_decode_uses_amx(int64_t block_size, int64_t group);
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,

@@ -40,16 +40,16 @@
 #include <immintrin.h>
 #endif
 
-bool paged_decode_uses_amx(int64_t num_requests, int64_t block_size, int64_t group) {
+bool paged_decode_uses_amx(int64_t block_size, int64_t group) {
 #ifdef QUIRE_AMX
   // QUIRE_AMX_ATTENTION=0 keeps decode attention on the vector path (for comparisons).
   static const bool enabled = [] {
     const char* flag = std::getenv("QUIRE_AMX_ATTENTION");
     return (flag == nullptr || std::string(flag) != "0") && quire::amx_permitted();
   }();
-  return enabled && num_requests >= kPagedDecodeAmxMinRequests && block_size % 16 == 0 && group <= 16;
+  return enabled && block_size % 16 == 0 && group <= 16;
 #else
-  (void)num_requests, (void)block_size, (void)group;
+  (void)block_size, (void)group;
   return false;
 #endif
 }
@@ -459,15 +459,13 @@ __attribute__((noinline)) void decode_bf16_item_amx(const uint16_t* q, const uin
 inline void decode_bf16_item(const uint16_t* q, const uint16_t* key_cache, const uint16_t* value_cache,
                              const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, float* out,
-                             quire::AttentionScratch& scratch, bool amx) {
+                             quire::AttentionScratch& scratch) {
 #ifdef QUIRE_AMX
-  if (amx) {
+  if (paged_decode_uses_amx(block_size, group)) {
     decode_bf16_item_amx(q, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size,
                          scale, out, scratch);
     return;
   }
-#else
-  (void)amx;
 #endif
   decode_bf16_item_vector(q, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size,
                           scale, out, scratch);
@@ -481,7 +479,6 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
   // A thread takes all the KV heads of a request together when there are requests enough to go round: the
   // heads of a token share its cache lines, which then come from memory once for all of them.
   const int64_t chunk = num_requests >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const bool amx = paged_decode_uses_amx(num_requests, block_size, group);
   quire::parallel_chunks(0, num_requests * num_kv_heads, chunk, [&](int64_t begin, int64_t end) {
     thread_local quire::AttentionScratch scratch;  // reused across chunks
     for (int64_t item = begin; item < end; ++item) {
@@ -489,7 +486,7 @@ void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const 
       const int64_t offset = (request * num_heads + kv * group) * head_dim;
       decode_bf16_item(query + offset, key_cache, value_cache, block_tables + request * max_blocks,
                        seq_lens[request], kv, group, num_kv_heads, head_dim, block_size, scale, output + offset,
-                       scratch, amx);
+                       scratch);
     }
   });
 }
@@ -551,8 +548,8 @@ void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, co
                             const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch) {
 #ifdef QUIRE_HAVE_AVX512_BF16
-  decode_bf16_item_vector(query, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim,
-                          block_size, scale, out, scratch);
+  decode_bf16_item(query, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size, scale,
+                   out, scratch);
 #else
   (void)query, (void)key_cache, (void)value_cache, (void)blocks, (void)length, (void)kv, (void)group,
       (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)scratch;
