@@ -112,44 +112,6 @@ def test_bf16_decodes_with_wide_heads_match_dense(num_requests):
         torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def poison_free_slots(kv, table, seq_lens):
-    """NaN in every cache slot no request wrote (a fresh cache's blocks hold whatever memory held)."""
-    block_size = kv.shape[2]
-    free = torch.ones(kv.shape[1] * block_size, dtype=torch.bool)
-    for row, seq_len in zip(table, seq_lens):
-        positions = torch.arange(seq_len)
-        free[row[positions // block_size] * block_size + positions % block_size] = False
-    kv.view(2, -1, *kv.shape[3:])[:, free] = float("nan")
-
-
-CPU_HAS_AMX = "amx_bf16" in open("/proc/cpuinfo").read()
-
-
-@pytest.mark.skipif(CPU_KERNELS is None or not CPU_HAS_AMX, reason="needs the C++ kernels on a CPU with AMX-BF16")
-def test_bf16_decode_takes_amx_tiles_where_the_cpu_has_them():
-    assert CPU_KERNELS.paged_decode_uses_amx(16, 3) and CPU_KERNELS.paged_decode_uses_amx(32, 16)
-    # a 16-token tile of keys must come from one block, and a tile has 16 columns for query heads
-    assert not CPU_KERNELS.paged_decode_uses_amx(8, 3) and not CPU_KERNELS.paged_decode_uses_amx(16, 17)
-
-
-@pytest.mark.parametrize("block_size", [8, 16, 32])  # 8: the AVX-512 vector path; 16 and 32: AMX where present
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(32, 3, 3), (64, 9, 3), (128, 8, 1), (64, 34, 2)])
-def test_bf16_decodes_ignore_free_slots_and_match_dense(block_size, head_dim, num_heads, num_kv_heads):
-    """Every length around the 16- and 32-token tiles, with NaN in the slots past each length; heads of 32, 64 and
-    128 values (one, two and four of AMX's 32-value steps), one to 17 query heads per KV head."""
-    g = torch.Generator().manual_seed(17)
-    seq_lens = [1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100]
-    kv, table, keys, values = write_requests(seq_lens, 120, block_size, num_kv_heads, head_dim, torch.bfloat16, g)
-    poison_free_slots(kv, table, seq_lens)
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(torch.bfloat16)
-    scale = head_dim**-0.5
-    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(len(seq_lens) + 1)), scale, CPU_KERNELS)
-    assert out.isfinite().all()
-    for i in range(len(seq_lens)):
-        expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], scale)
-        torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("kernel", DECODE_PATHS)
 @pytest.mark.parametrize("num_requests", [5, 40])  # one decode group, and several (sorted by length)
 def test_pure_decode_batches_keep_token_order(num_requests, kernel):

@@ -6,8 +6,6 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
-  m.def("paged_decode_uses_amx", &paged_decode_uses_amx, py::arg("block_size"), py::arg("group"),
-        "whether bfloat16 decode attention runs on AMX tiles for this block size and query heads per KV head");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding a residual");
   m.def("rotate", &rotate, "rotary embedding (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -6,9 +6,6 @@
 #include <string>
 #include <vector>
 
-// Whether paged_decode's bfloat16 kernel (head_dim a multiple of 32) runs on AMX tiles for this cache block
-// size and number of query heads per KV head (AMX in the build and allowed; QUIRE_AMX_ATTENTION=0 says no).
-bool paged_decode_uses_amx(int64_t block_size, int64_t group);
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
@@ -62,7 +59,6 @@ void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uin
 struct AttentionScratch {
   std::vector<const uint16_t*> key_rows, value_rows;
   std::vector<float> probs, totals;
-  std::vector<uint32_t> query_pairs;  // the AMX path's query operand
 };
 bool paged_decode_item_available(int64_t head_dim);
 void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,

@@ -28,7 +28,6 @@
 #include <mutex>
 #include <vector>
 
-#include "amx.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -36,7 +35,9 @@
 #include <immintrin.h>
 #define QUIRE_ONEDNN_GEMV 1
 #endif
-#if defined(QUIRE_ONEDNN_GEMV) && defined(QUIRE_AMX)
+#if defined(QUIRE_ONEDNN_GEMV) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #define QUIRE_ONEDNN_AMX 1
 #endif
 
@@ -106,12 +107,38 @@ constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>
 
 #ifdef QUIRE_ONEDNN_AMX
 
-using quire::amx_permitted;
-using quire::tile_config;
+// Linux gives a process the AMX tile registers only once it asks (oneDNN asks the same for its own kernels).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t columns_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes. Tiles 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x
+// (32 k) each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
+const TileConfig& tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.columns_bytes[t] = 64;
+    }
+    return c;
+  }();
+  return config;
+}
 
 // sums[32 x 32] (row stride 32) = x rows [32, Kp] (row stride Kp) . one packed block of 32 outputs.
-// Tiles 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x (32 k) each; 6-7: 16 k-pairs of 16
-// outputs each, read from the packed block's 128-byte rows.
 inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
   _tile_zero(0);
   _tile_zero(1);

@@ -9,10 +9,7 @@
 //   -> output    [B, Hq, D]                      query's dtype
 //
 // Work is split over requests (and over KV heads when there are too few requests for the threads); each
-// cache row is read once for all the query heads that share it. With bfloat16 on AMX CPUs the scores and the
-// weighted values are products of tiles (`decode_bf16_item_amx`): on SmolLM2-135M's shape at batch 64 and
-// 192 cached tokens, 30 layers took ~18 ms against ~20 on the AVX-512 vector path (0.37 against 0.46 ms for
-// one layer whose cache stays in the caches); the rest is the cache's reading from memory. The running maximum starts at -FLT_MAX, not
+// cache row is read once for all the query heads that share it. The running maximum starts at -FLT_MAX, not
 // -inf; a NaN or +inf score makes the head's output NaN, as PyTorch's float32 softmax does.
 //
 // NOTE: with bfloat16 the arithmetic follows PyTorch's CPU flash attention (the reference, and what
@@ -22,7 +19,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -31,28 +27,11 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <string>
 #include <vector>
 
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
-
-bool paged_decode_uses_amx(int64_t block_size, int64_t group) {
-#ifdef QUIRE_AMX
-  // QUIRE_AMX_ATTENTION=0 keeps decode attention on the vector path (for comparisons).
-  static const bool enabled = [] {
-    const char* flag = std::getenv("QUIRE_AMX_ATTENTION");
-    return (flag == nullptr || std::string(flag) != "0") && quire::amx_permitted();
-  }();
-  return enabled && block_size % 16 == 0 && group <= 16;
-#else
-  (void)block_size, (void)group;
-  return false;
-#endif
-}
 
 namespace {
 
@@ -265,7 +244,7 @@ constexpr AccumulateFn kAccumulate[8] = {accumulate_values<1>, accumulate_values
                                          accumulate_values<7>, accumulate_values<8>};
 
 // One request and KV head: the `group` query heads (rotated, [group, head_dim]) that share it.
-__attribute__((noinline)) void decode_bf16_item_vector(const uint16_t* q, const uint16_t* key_cache,
+__attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_t* key_cache,
                                                 const uint16_t* value_cache, const int64_t* blocks, int64_t length,
                                                 int64_t kv, int64_t group, int64_t num_kv_heads, int64_t head_dim,
                                                 int64_t block_size, float scale, float* out,
@@ -324,151 +303,6 @@ __attribute__((noinline)) void decode_bf16_item_vector(const uint16_t* q, const 
     const float inverse = 1.f / totals[r];
     for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] *= inverse;
   }
-}
-
-#ifdef QUIRE_AMX
-// The same item on AMX tiles (block_size a multiple of 16, at most 16 query heads per KV head), with the same
-// arithmetic as the vector path (exact bfloat16 products summed in float32, probabilities rounded to bfloat16
-// before they weight the values, in the float32 sums' own order):
-// - scores: a tile of 16 cached keys (rows 16 tokens, 32 of head_dim's values each, read in place from their
-//   block) times the query heads as pairs of head_dim values (columns: one query head each, zero past group);
-// - values: the probabilities (rows: query heads, 32 tokens each) times the values of 32 tokens, rearranged
-//   into pairs of tokens for 16 of head_dim's columns at a time; the sums stay in tiles over the whole length.
-// Rows of a score tile past `length` (the last block's unused slots) are computed and ignored; the value
-// operand is built with zeros there, so nothing a free slot holds (NaN included) reaches the output.
-__attribute__((noinline)) void decode_bf16_item_amx(const uint16_t* q, const uint16_t* key_cache,
-                                                    const uint16_t* value_cache, const int64_t* blocks,
-                                                    int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
-                                                    int64_t head_dim, int64_t block_size, float scale, float* out,
-                                                    quire::AttentionScratch& scratch) {
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t steps = head_dim / 32;  // 32 values of head_dim per tile row
-  auto& probs = scratch.probs;
-  auto& totals = scratch.totals;
-  auto& query_pairs = scratch.query_pairs;
-  probs.resize(group * length);
-  totals.resize(group);
-  // query_pairs[step][i][n] = query head n's values 32 step + 2i and 32 step + 2i + 1 (zero past group)
-  query_pairs.assign(steps * 16 * 16, 0);
-  for (int64_t step = 0; step < steps; ++step)
-    for (int64_t i = 0; i < 16; ++i)
-      for (int64_t n = 0; n < group; ++n)
-        std::memcpy(&query_pairs[(step * 16 + i) * 16 + n], q + n * head_dim + 32 * step + 2 * i, 4);
-  auto& key_rows = scratch.key_rows;  // the first key row of each 16 tokens
-  auto& value_rows = scratch.value_rows;
-  key_rows.resize((length + 15) / 16);
-  value_rows.resize(length);
-  for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
-    const int64_t base = blocks[b] * block_stride + kv * head_dim;
-    const int64_t count = std::min(block_size, length - t0);
-    for (int64_t i = 0; i < count; i += 16) key_rows[(t0 + i) / 16] = key_cache + base + i * token_stride;
-    for (int64_t i = 0; i < count; ++i) value_rows[t0 + i] = value_cache + base + i * token_stride;
-  }
-  _tile_loadconfig(&quire::tile_config());
-  alignas(64) float sums[16 * 16];
-  const __m512i columns = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-  for (int64_t t0 = 0; t0 < length; t0 += 16) {
-    const int64_t count = std::min<int64_t>(16, length - t0);
-    const uint16_t* keys = key_rows[t0 / 16];
-    if (t0 + 16 < length) {
-      const int64_t next = std::min<int64_t>(16, length - t0 - 16);
-      for (int64_t j = 0; j < next; ++j) prefetch_row(key_rows[t0 / 16 + 1] + j * token_stride, head_dim * 2);
-    }
-    // the values are read after every score: ask for them now
-    for (int64_t j = 0; j < count; ++j) prefetch_row(value_rows[t0 + j], head_dim * 2);
-    _tile_zero(0);
-    for (int64_t step = 0; step < steps; ++step) {
-      _tile_loadd(1, keys + 32 * step, token_stride * 2);
-      _tile_loadd(2, &query_pairs[step * 256], 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, sums, 64);
-    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t r = 0; r < group; ++r) {  // column r of the tile: query head r's 16 scores
-      const __m512 column = _mm512_i32gather_ps(_mm512_add_epi32(columns, _mm512_set1_epi32(r)), sums, 4);
-      _mm512_mask_storeu_ps(&probs[r * length + t0], valid, _mm512_mul_ps(column, _mm512_set1_ps(scale)));
-    }
-  }
-  for (int64_t r = 0; r < group; ++r) totals[r] = softmax_weights<uint16_t>(&probs[r * length], length);
-  alignas(64) uint16_t weights[16 * 32] = {};  // rows past group stay zero
-  alignas(64) uint16_t pairs[16 * 128];        // 16 token pairs x up to 64 columns x 2
-  alignas(64) float results[16 * 64];
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-    const int64_t width = std::min<int64_t>(64, head_dim - d0), tiles = width / 16;
-    _tile_zero(0);  // the tile number is part of the instruction: all four, whatever `tiles`
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t0 = 0; t0 < length; t0 += 32) {
-      const int64_t count = std::min<int64_t>(32, length - t0);
-      const __mmask16 low = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
-      const __mmask16 high = static_cast<__mmask16>(count >= 32 ? 0xFFFF : count <= 16 ? 0 : (1u << (count - 16)) - 1);
-      for (int64_t r = 0; r < group; ++r) {  // the probabilities are bfloat16 values: their top halves, exactly
-        const float* p = &probs[r * length + t0];
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + r * 32),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-                                _mm512_castps_si512(_mm512_maskz_loadu_ps(low, p)), 16)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + r * 32 + 16),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-                                _mm512_castps_si512(_mm512_maskz_loadu_ps(high, p + 16)), 16)));
-      }
-      for (int64_t i = 0; i < 16; ++i) {  // tokens t0 + 2i and t0 + 2i + 1, interleaved column by column
-        const int64_t t = t0 + 2 * i;
-        const uint16_t* a = t < length ? value_rows[t] + d0 : nullptr;
-        const uint16_t* b = t + 1 < length ? value_rows[t + 1] + d0 : nullptr;
-        for (int64_t h = 0; h < width; h += 32) {
-          const __m512i va = a != nullptr ? _mm512_loadu_si512(a + h) : _mm512_setzero_si512();
-          const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + h) : _mm512_setzero_si512();
-          const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
-          _mm512_store_si512(pairs + i * 2 * width + 2 * h, _mm512_permutex2var_epi64(lo, first, hi));
-          _mm512_store_si512(pairs + i * 2 * width + 2 * h + 32, _mm512_permutex2var_epi64(lo, second, hi));
-        }
-      }
-      _tile_loadd(4, weights, 64);
-      for (int64_t c = 0; c < tiles; ++c) {
-        _tile_loadd(5, pairs + 32 * c, 4 * width);
-        switch (c) {
-          case 0: _tile_dpbf16ps(0, 4, 5); break;
-          case 1: _tile_dpbf16ps(1, 4, 5); break;
-          case 2: _tile_dpbf16ps(2, 4, 5); break;
-          default: _tile_dpbf16ps(3, 4, 5); break;
-        }
-      }
-    }
-    for (int64_t c = 0; c < tiles; ++c) {
-      switch (c) {
-        case 0: _tile_stored(0, results, 4 * 64); break;
-        case 1: _tile_stored(1, results + 16, 4 * 64); break;
-        case 2: _tile_stored(2, results + 32, 4 * 64); break;
-        default: _tile_stored(3, results + 48, 4 * 64); break;
-      }
-    }
-    for (int64_t r = 0; r < group; ++r) std::memcpy(out + r * head_dim + d0, results + r * 64, width * 4);
-  }
-  _tile_release();
-  for (int64_t r = 0; r < group; ++r) {
-    const float inverse = 1.f / totals[r];
-    for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] *= inverse;
-  }
-}
-#endif  // QUIRE_AMX
-
-inline void decode_bf16_item(const uint16_t* q, const uint16_t* key_cache, const uint16_t* value_cache,
-                             const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale, float* out,
-                             quire::AttentionScratch& scratch) {
-#ifdef QUIRE_AMX
-  if (paged_decode_uses_amx(block_size, group)) {
-    decode_bf16_item_amx(q, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size,
-                         scale, out, scratch);
-    return;
-  }
-#endif
-  decode_bf16_item_vector(q, key_cache, value_cache, blocks, length, kv, group, num_kv_heads, head_dim, block_size,
-                          scale, out, scratch);
 }
 
 void decode_bf16_avx512(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
