@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace quire {
 
 // Exact: a bfloat16 is the top half of a float32.
@@ -20,5 +24,12 @@ inline uint16_t float_to_bf16(float v) {
   std::memcpy(&bits, &v, sizeof(bits));
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX512F__)
+// Sixteen bfloat16 (bits) to float32, exactly.
+inline __m512 bf16_to_float(__m256i bf16_bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits), 16));
+}
+#endif
 
 }  // namespace quire

@@ -13,10 +13,6 @@
 #include "vector_math.h"
 
 #include <algorithm>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <type_traits>
 
@@ -102,8 +98,7 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec's 16-lane expf (what `omp 
 inline void silu_mul_16(const uint16_t* gate, const uint16_t* up, uint16_t* out) {
   constexpr uint32_t kMargin = 16;
   const auto widen = [](const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    return bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
   const auto to_bf16_bits = [](__m512 v) {  // nearest even, as float_to_bf16 (in the low halves)
     const __m512i bits = _mm512_castps_si512(v);
@@ -122,8 +117,7 @@ inline void silu_mul_16(const uint16_t* gate, const uint16_t* up, uint16_t* out)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(result));
   for (unsigned lanes = again; lanes != 0; lanes &= lanes - 1) {
     const int i = __builtin_ctz(lanes);
-    out[i] = float_to_bf16(bf16_to_float(float_to_bf16(silu_in_double(bf16_to_float(gate[i])))) *
-                           bf16_to_float(up[i]));
+    store(out + i, round_as(silu_in_double(load(gate[i])), uint16_t{}) * load(up[i]));  // the double path
   }
 }
 #endif

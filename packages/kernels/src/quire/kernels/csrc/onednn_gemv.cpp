@@ -28,6 +28,7 @@
 #include <mutex>
 #include <vector>
 
+#include "bf16.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -64,14 +65,10 @@ int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #ifdef QUIRE_ONEDNN_GEMV
 
-inline __m512 bf16_to_float(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // sixteen sums (+ bias) to bfloat16, the first `count` stored
 inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t count) {
   const __mmask16 mask = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-  if (bias != nullptr) sum = _mm512_add_ps(sum, bf16_to_float(_mm256_maskz_loadu_epi16(mask, bias)));
+  if (bias != nullptr) sum = _mm512_add_ps(sum, quire::bf16_to_float(_mm256_maskz_loadu_epi16(mask, bias)));
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 

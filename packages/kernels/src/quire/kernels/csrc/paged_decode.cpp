@@ -212,10 +212,6 @@ inline __m512 sum_lanes16(__m512 v[kTile]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-inline __m512 bf16_to_float(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // acc[r][c] += p[r][t] * value[t][c*16 : c*16+16] for R query heads over one 32-wide slice of head_dim.
 template <int R>
 void accumulate_values(const float* probs, int64_t length, const uint16_t* const* rows, int64_t slice,
@@ -224,8 +220,8 @@ void accumulate_values(const float* probs, int64_t length, const uint16_t* const
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t t = 0; t < length; ++t) {
     const __m512i packed = _mm512_loadu_si512(rows[t] + slice);
-    const __m512 lo = bf16_to_float(_mm512_castsi512_si256(packed));
-    const __m512 hi = bf16_to_float(_mm512_extracti64x4_epi64(packed, 1));
+    const __m512 lo = quire::bf16_to_float(_mm512_castsi512_si256(packed));
+    const __m512 hi = quire::bf16_to_float(_mm512_extracti64x4_epi64(packed, 1));
     for (int r = 0; r < R; ++r) {
       const __m512 p = _mm512_set1_ps(probs[r * length + t]);
       acc[r][0] = _mm512_fmadd_ps(p, lo, acc[r][0]);
