@@ -12,6 +12,10 @@ The work is split in two: ``plan_paged_attention`` decides, once per step, how t
 requests decode together, their masks, which blocks each reads), and ``run_paged_attention`` runs that plan
 for one layer (a model with windowed layers plans once per distinct window). ``paged_attention`` does both and
 is the reference the other kernels are checked against.
+
+A whole prompt with no cached prefix (and no window to apply) attends only to its own keys: given this step's
+``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one on CPUs with AMX), it runs
+there on those rows instead of gathering them back from the cache for ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class AttentionPlan:
     num_tokens: int
     fused_decode: FusedDecode | None = None
     decode_kernel: object = None  # the module whose paged_decode runs fused_decode
+    prefill_kernel: object = None  # the module whose prefill_attention runs whole prompts without a prefix
     # The plans of this step's windowed layers, by window, built by the backend on first use.
     windowed_plans: dict[int, AttentionPlan] = dataclasses.field(default_factory=dict)
 
@@ -87,6 +92,7 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     """
     if sliding_window is not None:
         decode_kernel = None
+    prefill_kernel = decode_kernel if hasattr(decode_kernel, "prefill_attention") else None
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     split = decode_kernel is not None
     is_decode = [n == 1 or (split and n <= MAX_SPLIT_QUERY_LEN and seq_lens[i] > n)
@@ -96,7 +102,7 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     decode_rows = [i for i, decode in enumerate(is_decode) if decode]
     if decode_kernel is not None and decode_rows:
         fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, not prefills)
-        return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel)
+        return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel, prefill_kernel)
     # Decodes run together, padded to the longest context; requests of similar length are grouped so
     # that short ones do not pay for copying the long ones' padding.
     num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
@@ -104,15 +110,18 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
         decode_rows.sort(key=seq_lens.__getitem__)
     groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size, sliding_window)
               for group in _split(decode_rows, num_groups)]
-    return AttentionPlan(groups, prefills, query_start_loc[-1])
+    return AttentionPlan(groups, prefills, query_start_loc[-1], prefill_kernel=prefill_kernel)
 
 
 def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        plan: AttentionPlan, scale: float) -> torch.Tensor:
+                        plan: AttentionPlan, scale: float, key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output ``[T, num_heads, head_dim]`` for queries ``[T, num_heads, head_dim]`` under a plan.
 
     ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (see
-    ``quire.kernels.kv_cache``); ``num_heads`` must be a multiple of ``num_kv_heads``.
+    ``quire.kernels.kv_cache``); ``num_heads`` must be a multiple of ``num_kv_heads``. ``key``/``value``
+    (``[T, num_kv_heads, head_dim]``): the step's own rows, already in the cache, which whole prompts without a
+    prefix then read directly (see the module docstring).
     """
     fused = plan.fused_decode
     if fused is not None and fused.token_rows is None:  # a pure decode step: no gather, no scatter
@@ -127,8 +136,15 @@ def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
             query[fused.token_rows], key_cache, value_cache, fused.block_tables, fused.seq_lens, scale)
     for group in plan.decode_groups:
         output[group.token_rows] = _decode(query[group.token_rows], key_cache, value_cache, group, scale)
+    kernel = plan.prefill_kernel
+    own_keys = (kernel is not None and key is not None and query.dtype == torch.bfloat16
+                and kernel.prefill_attention_available(query.shape[-1]))
     for item in plan.prefills:
-        output[item.start:item.end] = _prefill(query[item.start:item.end], key_cache, value_cache, item, scale)
+        rows = slice(item.start, item.end)
+        if own_keys and item.mask is None and item.seq_len == item.end - item.start:
+            output[rows] = kernel.prefill_attention(query[rows], key[rows], value[rows], scale)
+        else:
+            output[rows] = _prefill(query[rows], key_cache, value_cache, item, scale)
     return output
 
 

@@ -26,9 +26,10 @@ from quire.kernels.build_guard import RETRY_COMMAND, remembered_failure, run_exc
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp",
-                                     "decode_stack.cpp", "quant_linear.cpp", "onednn_gemv.cpp")]
+                                     "decode_stack.cpp", "quant_linear.cpp", "onednn_gemv.cpp",
+                                     "prefill_attention.cpp")]
 # included by the sources: part of the cache key
-HEADERS = [_CSRC / name for name in ("bf16.h", "kernels.h", "decode_stack.h", "parallel.h", "vector_math.h",
+HEADERS = [_CSRC / name for name in ("amx.h", "bf16.h", "kernels.h", "decode_stack.h", "parallel.h", "vector_math.h",
                                      "quant_blocks.h", "quant_int_dot.h")]
 # NOTE: no -ffast-math: the kernels promise PyTorch's results for infinities and NaN (and its bits for
 # bfloat16), which -ffinite-math-only and -fassociative-math would let the compiler break.

@@ -15,7 +15,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     Decodes go through Quire's C++ kernel (``quire.kernels.cpu_extension``) when it is available for the
     dtype (float32, bfloat16), reading the cache in place; prompts and the fallback use PyTorch's
-    ``scaled_dot_product_attention``. With the C++ kernel the backend offers the C++ decoder stack
+    ``scaled_dot_product_attention`` (a whole prompt without a cached prefix: the C++ ``prefill_attention``
+    on its own keys, where the CPU has AMX). With the C++ kernel the backend offers the C++ decoder stack
     (``capabilities.cpu_decode_stack``), whose attention is that same kernel. Windowed layers run a plan of
     their own (built by the first such layer of a step, per window), which decodes through PyTorch and reads
     only the blocks inside each query's window.
@@ -51,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         plan = metadata.plan if sliding_window is None else self._windowed_plan(metadata, sliding_window)
-        return run_paged_attention(query, key_cache, value_cache, plan, scale)
+        return run_paged_attention(query, key_cache, value_cache, plan, scale, key, value)
 
     def _windowed_plan(self, metadata: AttentionMetadata, sliding_window: int) -> AttentionPlan:
         """The step's plan for layers with this window: the plain plan while no request is longer than the

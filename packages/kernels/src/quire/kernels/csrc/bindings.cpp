@@ -6,6 +6,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt over its own keys (AMX)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "whether prefill_attention runs here for this head size");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding a residual");
   m.def("rotate", &rotate, "rotary embedding (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <vector>
 
+#include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -36,9 +37,7 @@
 #include <immintrin.h>
 #define QUIRE_ONEDNN_GEMV 1
 #endif
-#if defined(QUIRE_ONEDNN_GEMV) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(QUIRE_ONEDNN_GEMV) && defined(QUIRE_AMX)
 #define QUIRE_ONEDNN_AMX 1
 #endif
 
@@ -104,37 +103,8 @@ constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>
 
 #ifdef QUIRE_ONEDNN_AMX
 
-// Linux gives a process the AMX tile registers only once it asks (oneDNN asks the same for its own kernels).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t columns_bytes[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes. Tiles 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x
-// (32 k) each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
-const TileConfig& tile_config() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = 16;
-      c.columns_bytes[t] = 64;
-    }
-    return c;
-  }();
-  return config;
-}
-
+// Tiles (quire::full_tile_config) 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x (32 k)
+// each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
 // sums[32 x 32] (row stride 32) = x rows [32, Kp] (row stride Kp) . one packed block of 32 outputs.
 inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
   _tile_zero(0);
@@ -164,7 +134,7 @@ inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, floa
 
 int64_t onednn_gemv_max_rows() {
 #if defined(QUIRE_ONEDNN_AMX)
-  return amx_permitted() ? kMaxRows : kGemvRows;
+  return quire::amx_permitted() ? kMaxRows : kGemvRows;
 #elif defined(QUIRE_ONEDNN_GEMV)
   return kGemvRows;
 #else
@@ -247,7 +217,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
     std::vector<uint16_t> padded(Mp * Kp, 0);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * Kp], xs + m * K, K * 2);
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
-      _tile_loadconfig(&tile_config());  // per thread and call: oneDNN's kernels load their own
+      _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
       alignas(64) float sums[32 * 32];
       for (int64_t b = begin; b < end; ++b) {
         const uint16_t* block = w + b * P * 2 * kBlock;

@@ -1,0 +1,109 @@
+"""The C++ ``prefill_attention`` (a whole prompt over its own keys, AMX tiles) against dense attention and
+PyTorch's ``scaled_dot_product_attention``, and its place in ``run_paged_attention``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quire.kernels import cpu_extension
+from quire.kernels.attention import paged_attention, plan_paged_attention, run_paged_attention
+
+from .test_attention import dense_causal_attention, write_requests
+
+CPU_KERNELS = cpu_extension.load()
+pytestmark = pytest.mark.skipif(CPU_KERNELS is None or not CPU_KERNELS.prefill_attention_available(64),
+                                reason="prefill_attention needs a CPU with AMX BF16")
+
+
+def sdpa(q, k, v, scale):
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                          is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("tokens,num_heads,num_kv_heads,head_dim", [
+    (1, 9, 3, 64), (5, 9, 3, 64), (16, 4, 4, 64), (17, 9, 3, 64), (33, 8, 2, 128), (100, 9, 3, 64),
+    (257, 4, 1, 32), (300, 2, 2, 256)])
+def test_matches_dense_attention_as_closely_as_pytorch(tokens, num_heads, num_kv_heads, head_dim):
+    g = torch.Generator().manual_seed(tokens)
+    q = torch.randn(tokens, num_heads, head_dim, generator=g).bfloat16()
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=g).bfloat16()
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+    exact = dense_causal_attention(q, k, v, scale)
+    out = CPU_KERNELS.prefill_attention(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    error = (out.float() - exact).abs()
+    torch_error = (sdpa(q, k, v, scale).float() - exact).abs()
+    # bfloat16 outputs: within a rounding step of the exact result, and no further from it than PyTorch's kernel
+    assert error.max() <= 2e-2
+    assert error.mean() <= 1.25 * torch_error.mean() + 1e-4
+
+
+def test_reads_strided_rows_of_a_fused_projection():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(70, (6 + 2 + 2) * 64, generator=g).bfloat16()
+    q, k, v = qkv.split([6 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k, v = q.view(70, 6, 64), k.view(70, 2, 64), v.view(70, 2, 64)
+    assert not v.is_contiguous()
+    strided = CPU_KERNELS.prefill_attention(q, k, v, 0.125)
+    dense = CPU_KERNELS.prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125)
+    assert torch.equal(strided, dense)
+
+
+def test_a_nan_key_reaches_only_the_rows_that_see_it():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(40, 4, 64, generator=g).bfloat16()
+    k = torch.randn(40, 2, 64, generator=g).bfloat16()
+    v = torch.randn(40, 2, 64, generator=g).bfloat16()
+    k[21, 1, 3] = float("nan")
+    out = CPU_KERNELS.prefill_attention(q, k, v, 0.125)
+    assert torch.equal(out.isnan(), sdpa(q, k, v, 0.125).isnan())
+    assert out[:21].isfinite().all() and out[21:, 2:].isnan().all() and out[:, :2].isfinite().all()
+
+
+def test_rejects_what_it_cannot_run():
+    q = torch.randn(8, 4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        CPU_KERNELS.prefill_attention(q.float(), q.float(), q.float(), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        CPU_KERNELS.prefill_attention(q, q[:, :3], q[:, :3], 0.125)
+    assert not CPU_KERNELS.prefill_attention_available(48)
+
+
+class CountingKernels:
+    """The C++ module, counting the prompts ``run_paged_attention`` hands to ``prefill_attention``."""
+
+    def __init__(self):
+        self.prefills = 0
+
+    def __getattr__(self, name):
+        return getattr(CPU_KERNELS, name)
+
+    def prefill_attention(self, *args):
+        self.prefills += 1
+        return CPU_KERNELS.prefill_attention(*args)
+
+
+def test_whole_prompts_in_a_mixed_batch_read_their_own_keys():
+    """Two whole prompts go to the kernel on the step's key rows; the chunk after a cached prefix and the
+    decode still read the cache; every row matches dense attention."""
+    g = torch.Generator().manual_seed(2)
+    seq_lens, query_lens = [37, 60, 90, 21], [37, 12, 1, 21]
+    kv, tables, keys, values = write_requests(seq_lens, 64, 16, 2, 64, torch.bfloat16, g)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1], 6, 64, generator=g).bfloat16()
+    # the step's own key/value rows: the last query_len tokens of each request
+    step_keys = torch.cat([k[-n:] for k, n in zip(keys, query_lens)])
+    step_values = torch.cat([v[-n:] for v, n in zip(values, query_lens)])
+    kernels = CountingKernels()
+    plan = plan_paged_attention(tables, seq_lens, starts, 16, kernels)
+    out = run_paged_attention(query, kv[0], kv[1], plan, 0.125, step_keys, step_values)
+    assert kernels.prefills == 2
+    for i, (k, v) in enumerate(zip(keys, values)):
+        rows = slice(starts[i], starts[i + 1])
+        torch.testing.assert_close(out[rows].float(), dense_causal_attention(query[rows], k, v, 0.125),
+                                   atol=2e-2, rtol=2e-2)
+    gathered = paged_attention(query, kv[0], kv[1], tables, seq_lens, starts, 0.125, CPU_KERNELS)
+    torch.testing.assert_close(out.float(), gathered.float(), atol=2e-2, rtol=2e-2)
