@@ -160,13 +160,14 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* ne
 }
 
 template <typename T>
-void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t dim) {
+void rotate_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads,
+                 int64_t dim) {
   const int64_t half = dim / 2;
   const int64_t chunk = quire::chunk_size(tokens, grain_rows(heads * dim));
   quire::parallel_chunks(0, tokens, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
-        quire::rotate_head(x + (t * heads + h) * dim, cos + t * half, sin + t * half, out + (t * heads + h) * dim,
+        quire::rotate_head(x + t * x_stride + h * dim, cos + t * half, sin + t * half, out + (t * heads + h) * dim,
                            dim);
       }
     }
@@ -225,13 +226,14 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 }
 
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  // x [T, H, D] (any strides in T: q/k are views of the fused projection); cos/sin [T, D/2] contiguous
-  auto input = x.contiguous();
-  auto out = torch::empty_like(input);
+  // x [T, H, D] (any strides in T: q/k are views of the fused projection, read in place); cos/sin [T, D/2]
+  // contiguous
+  auto input = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  auto out = torch::empty(input.sizes(), input.options());
   dispatch(input, [&](auto tag) {
     using T = decltype(tag);
-    rotate_rows<T>(ptr<T>(input), ptr<T>(cos), ptr<T>(sin), ptr<T>(out), input.size(0), input.size(1),
-                   input.size(2));
+    rotate_rows<T>(ptr<T>(input), input.stride(0), ptr<T>(cos), ptr<T>(sin), ptr<T>(out), input.size(0),
+                   input.size(1), input.size(2));
   });
   return out;
 }
