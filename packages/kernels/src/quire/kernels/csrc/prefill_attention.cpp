@@ -222,8 +222,8 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
   Packed packed;
   packed.keys.assign(Hk * Tk * D, 0);
   packed.values.assign(Hk * Tk * D, 0);
-  // repack, one KV head and 32 keys per index
-  quire::parallel_chunks(0, Hk * (Tk / 32), quire::chunk_size(Hk * (Tk / 32), 4), [&](int64_t begin, int64_t end) {
+  // repack, one KV head and 32 keys per index (~1 us each: a short prompt's are not worth waking a thread for)
+  quire::parallel_chunks(0, Hk * (Tk / 32), quire::chunk_size(Hk * (Tk / 32), 16), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t g = index / (Tk / 32), k0 = (index % (Tk / 32)) * 32;
       uint16_t* vdst = packed.values.data() + g * Tk * D + k0 * D;  // this block's [D][32]
