@@ -67,6 +67,8 @@ def test_rejects_what_it_cannot_run():
         CPU_KERNELS.prefill_attention(q.float(), q.float(), q.float(), 0.125)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         CPU_KERNELS.prefill_attention(q, q[:, :3], q[:, :3], 0.125)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        CPU_KERNELS.prefill_attention(q, q, q, -0.125)
     assert not CPU_KERNELS.prefill_attention_available(48)
 
 

@@ -206,6 +206,7 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
   TORCH_CHECK(key.size(0) == T && value.size(0) == T && value.size(1) == Hk && key.size(2) == D && value.size(2) == D,
               "prefill_attention: query, key and value disagree on tokens or head size");
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "prefill_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (row maxima are taken before it)");
   TORCH_CHECK(prefill_attention_available(D), "prefill_attention: not available for head_dim ", D, " in this build");
 #ifdef QUIRE_AMX
   // rows may be strided (views into a fused projection); within a row, heads and dims must be dense
