@@ -67,6 +67,11 @@ class PrefillItem:
     mask: torch.Tensor | None
     key_offset: int = 0  # position of the first key read: the start of the first block inside the window
 
+    @property
+    def whole_prompt(self) -> bool:
+        """A prompt with no cached prefix and no window to apply: it attends only to its own keys."""
+        return self.mask is None and self.seq_len == self.end - self.start
+
 
 @dataclasses.dataclass
 class AttentionPlan:
@@ -76,6 +81,7 @@ class AttentionPlan:
     fused_decode: FusedDecode | None = None
     decode_kernel: object = None  # the module whose paged_decode runs fused_decode
     prefill_kernel: object = None  # the module whose prefill_attention runs whole prompts without a prefix
+    whole_prompts: torch.Tensor | None = None  # [n, 2] (start, end) rows of those prompts, with prefill_kernel
     # The plans of this step's windowed layers, by window, built by the backend on first use.
     windowed_plans: dict[int, AttentionPlan] = dataclasses.field(default_factory=dict)
 
@@ -102,7 +108,8 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     decode_rows = [i for i, decode in enumerate(is_decode) if decode]
     if decode_kernel is not None and decode_rows:
         fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, not prefills)
-        return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel, prefill_kernel)
+        return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel, prefill_kernel,
+                             _whole_prompts(prefills, prefill_kernel))
     # Decodes run together, padded to the longest context; requests of similar length are grouped so
     # that short ones do not pay for copying the long ones' padding.
     num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
@@ -110,7 +117,13 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
         decode_rows.sort(key=seq_lens.__getitem__)
     groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size, sliding_window)
               for group in _split(decode_rows, num_groups)]
-    return AttentionPlan(groups, prefills, query_start_loc[-1], prefill_kernel=prefill_kernel)
+    return AttentionPlan(groups, prefills, query_start_loc[-1], prefill_kernel=prefill_kernel,
+                         whole_prompts=_whole_prompts(prefills, prefill_kernel))
+
+
+def _whole_prompts(prefills: list[PrefillItem], prefill_kernel) -> torch.Tensor | None:
+    rows = [(item.start, item.end) for item in prefills if item.whole_prompt]
+    return torch.tensor(rows, dtype=torch.int64) if rows and prefill_kernel is not None else None
 
 
 def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -130,21 +143,20 @@ def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if len(plan.decode_groups) == 1 and not plan.prefills:
         # a pure decode step in one group: the rows are in token order, no scatter needed
         return _decode(query, key_cache, value_cache, plan.decode_groups[0], scale)
-    output = torch.empty_like(query)
+    output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
     if fused is not None:
         output[fused.token_rows] = plan.decode_kernel.paged_decode(
             query[fused.token_rows], key_cache, value_cache, fused.block_tables, fused.seq_lens, scale)
     for group in plan.decode_groups:
         output[group.token_rows] = _decode(query[group.token_rows], key_cache, value_cache, group, scale)
+    prefills = plan.prefills
     kernel = plan.prefill_kernel
-    own_keys = (kernel is not None and key is not None and query.dtype == torch.bfloat16
-                and kernel.prefill_attention_available(query.shape[-1]))
-    for item in plan.prefills:
-        rows = slice(item.start, item.end)
-        if own_keys and item.mask is None and item.seq_len == item.end - item.start:
-            output[rows] = kernel.prefill_attention(query[rows], key[rows], value[rows], scale)
-        else:
-            output[rows] = _prefill(query[rows], key_cache, value_cache, item, scale)
+    if (plan.whole_prompts is not None and key is not None and query.dtype == torch.bfloat16
+            and kernel.prefill_attention_available(query.shape[-1])):
+        kernel.prefill_attention(query, key, value, scale, plan.whole_prompts, output)  # one call for all
+        prefills = [item for item in prefills if not item.whole_prompt]
+    for item in prefills:
+        output[item.start:item.end] = _prefill(query[item.start:item.end], key_cache, value_cache, item, scale)
     return output
 
 

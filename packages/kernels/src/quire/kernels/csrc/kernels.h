@@ -8,10 +8,12 @@
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-// Causal attention of a prompt over its own keys (prefill_attention.cpp): query [T, Hq, D], key/value [T, Hk, D],
-// bfloat16; available where the build has AMX BF16, the OS grants the tiles, and D is a multiple of 32 (<= 256).
+// Causal attention of whole prompts over their own keys (prefill_attention.cpp): query/out [T, Hq, D], key/value
+// [T, Hk, D], bfloat16; each (start, end) row of `ranges` is one prompt, written to those rows of out (the rest
+// untouched). Available where the build has AMX BF16, the OS grants the tiles, and D is a multiple of 32 (<= 256).
 bool prefill_attention_available(int64_t head_dim);
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale);
+void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
+                       torch::Tensor out);
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                     double eps);
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

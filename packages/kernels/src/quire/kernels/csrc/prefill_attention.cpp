@@ -2,8 +2,8 @@
 //
 // PyTorch's CPU flash attention spends most of a short prompt's time outside its matrix products (a
 // 128-token prompt of 9 heads: ~100 us a layer for ~40 MFLOP) and reaches ~480 GFLOP/s on a 2,048-token
-// one. Here one work item is one query head and 16 query rows; it walks the keys up to the diagonal 32 at a
-// time:
+// one. Here one call takes every whole prompt of a step (one parallel region), and one work item is one
+// prompt's query head and 16 query rows; it walks the keys up to the diagonal 32 at a time:
 //
 //   scores  S[16 x 32] = Q[16 x D] . K[32 x D]^T       two tiles, Q rows read in place of a padded copy
 //   online softmax (float32): row maxima, exp(S * scale - max), running sums; the output rows rescaled
@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -80,16 +81,18 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-struct Packed {
-  std::vector<uint16_t> keys;    // [Hk][Tk][D], zero past T
-  std::vector<uint16_t> values;  // [Hk][Tk / 32][D][32]: each 32-key block transposed, zero past T
+// One prompt of the call: rows start .. start + length of query, key, value and out; its keys and values
+// repacked at `packed` (in elements): per KV head, keys [Tk][D] (Tk = length rounded up to 32, zero past it)
+// and values [Tk / 32][D][32] (each 32-key block transposed).
+struct Prompt {
+  int64_t start, length, packed;
 };
 
 // One item: query head h, rows r0 .. r0 + 15 (those past T are computed from zero rows and dropped). Everything
 // is transposed, keys x queries: a vector then holds one key's score for the 16 rows, so the softmax needs no
 // sums across lanes.
-void attend_rows(const uint16_t* query, int64_t q_stride, const Packed& packed, int64_t T, int64_t D, int64_t Tk,
-                 int64_t kv, int64_t r0, float scale, uint16_t* out, int64_t out_stride) {
+void attend_rows(const uint16_t* query, int64_t q_stride, const uint16_t* keys, const uint16_t* values, int64_t T,
+                 int64_t D, int64_t r0, float scale, uint16_t* out, int64_t out_stride) {
   alignas(64) uint32_t q_pairs[128 * kRows];      // Q^T as pairs: [D / 2][16 rows]
   alignas(64) float scores[kKeys * kRows];        // S^T: [32 keys][16 rows]
   alignas(64) uint32_t probs[kKeys / 2 * kRows];  // P^T as pairs: [16 key pairs][16 rows]
@@ -103,8 +106,6 @@ void attend_rows(const uint16_t* query, int64_t q_stride, const Packed& packed, 
     for (int p = 0; p < 16; ++p) _mm512_store_si512(q_pairs + (c * 16 + p) * kRows, block[p]);
   }
   std::fill(acc, acc + D * kRows, 0.f);
-  const uint16_t* keys = packed.keys.data() + kv * Tk * D;
-  const uint16_t* values = packed.values.data() + kv * Tk * D;
   const int64_t last = r0 + rows - 1;  // the last key any row of the item sees
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
@@ -198,7 +199,8 @@ bool prefill_attention_available(int64_t head_dim) {
 #endif
 }
 
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale) {
+void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
+                       torch::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: [T, heads, head_dim] expected");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16, "prefill_attention: bfloat16 only");
@@ -207,6 +209,10 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
               "prefill_attention: query, key and value disagree on tokens or head size");
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "prefill_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive (row maxima are taken before it)");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+              "prefill_attention: out must be a contiguous bfloat16 tensor shaped like query");
+  TORCH_CHECK(ranges.dim() == 2 && ranges.size(1) == 2 && ranges.scalar_type() == torch::kInt64 && ranges.is_cpu(),
+              "prefill_attention: ranges must be an int64 [prompts, 2] tensor of (start, end) rows");
   TORCH_CHECK(prefill_attention_available(D), "prefill_attention: not available for head_dim ", D, " in this build");
 #ifdef QUIRE_AMX
   // rows may be strided (views into a fused projection); within a row, heads and dims must be dense
@@ -214,42 +220,66 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key, torch::T
     return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
   };
   const auto q = dense_rows(query), k = dense_rows(key), v = dense_rows(value);
-  auto out = torch::empty({T, Hq, D}, query.options());
-  if (T == 0) return out;
-  const int64_t Tk = round_up(T, kKeys), group = Hq / Hk;
+  const auto bounds = ranges.contiguous();
+  const int64_t* bound = bounds.data_ptr<int64_t>();
+  std::vector<Prompt> prompts;
+  int64_t packed_size = 0, max_blocks = 0;
+  for (int64_t i = 0; i < bounds.size(0); ++i) {
+    const int64_t start = bound[2 * i], end = bound[2 * i + 1];
+    TORCH_CHECK(0 <= start && start <= end && end <= T, "prefill_attention: range ", i, " (", start, ", ", end,
+                ") is outside the ", T, " rows");
+    if (end == start) continue;
+    prompts.push_back({start, end - start, packed_size});
+    packed_size += Hk * round_up(end - start, kKeys) * D;
+    max_blocks = std::max(max_blocks, round_up(end - start, kRows) / kRows);
+  }
+  if (prompts.empty()) return;
+  const int64_t group = Hq / Hk;
   const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  Packed packed;
-  packed.keys.assign(Hk * Tk * D, 0);
-  packed.values.assign(Hk * Tk * D, 0);
-  // repack, one KV head and 32 keys per index (~1 us each: a short prompt's are not worth waking a thread for)
-  quire::parallel_chunks(0, Hk * (Tk / 32), quire::chunk_size(Hk * (Tk / 32), 16), [&](int64_t begin, int64_t end) {
+  std::vector<uint16_t> packed_keys(packed_size, 0), packed_values(packed_size, 0);
+  // repack, one prompt, KV head and 32 keys per task (~1 us each: a few are not worth waking a thread for)
+  std::vector<std::array<int64_t, 3>> packing;  // prompt, KV head, first key
+  for (int64_t p = 0; p < static_cast<int64_t>(prompts.size()); ++p)
+    for (int64_t g = 0; g < Hk; ++g)
+      for (int64_t k0 = 0; k0 < prompts[p].length; k0 += kKeys) packing.push_back({p, g, k0});
+  const int64_t tasks = packing.size();
+  quire::parallel_chunks(0, tasks, quire::chunk_size(tasks, 16), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t g = index / (Tk / 32), k0 = (index % (Tk / 32)) * 32;
-      uint16_t* vdst = packed.values.data() + g * Tk * D + k0 * D;  // this block's [D][32]
-      for (int64_t t = k0; t < std::min(T, k0 + 32); ++t) {
-        std::memcpy(packed.keys.data() + (g * Tk + t) * D, ks + t * k.stride(0) + g * D, D * 2);
-        const uint16_t* vrow = vs + t * v.stride(0) + g * D;
-        for (int64_t d = 0; d < D; ++d) vdst[d * 32 + (t - k0)] = vrow[d];
+      const auto [p, g, k0] = packing[index];
+      const Prompt& prompt = prompts[p];
+      const int64_t Tk = round_up(prompt.length, kKeys);
+      uint16_t* kdst = packed_keys.data() + prompt.packed + g * Tk * D;
+      uint16_t* vdst = packed_values.data() + prompt.packed + g * Tk * D + k0 * D;  // this block's [D][32]
+      for (int64_t t = k0; t < std::min(prompt.length, k0 + kKeys); ++t) {
+        const int64_t row = prompt.start + t;
+        std::memcpy(kdst + t * D, ks + row * k.stride(0) + g * D, D * 2);
+        const uint16_t* vrow = vs + row * v.stride(0) + g * D;
+        for (int64_t d = 0; d < D; ++d) vdst[d * kKeys + (t - k0)] = vrow[d];
       }
     }
   });
-  const int64_t blocks = round_up(T, kRows) / kRows, items = Hq * blocks;
+  // one task: a prompt, a query head and 16 rows; the longest (the last blocks of the longest prompts) first,
+  // so that the short ones even out the threads at the end
+  std::vector<std::array<int64_t, 3>> work;  // prompt, head, block
+  for (int64_t block = max_blocks - 1; block >= 0; --block)
+    for (int64_t p = 0; p < static_cast<int64_t>(prompts.size()); ++p)
+      if (block * kRows < prompts[p].length)
+        for (int64_t h = 0; h < Hq; ++h) work.push_back({p, h, block});
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float s = static_cast<float>(scale);
-  // the longest rows (the last blocks) first, so that the short ones even out the threads at the end
-  quire::parallel_chunks(0, items, 1, [&](int64_t begin, int64_t end) {
+  quire::parallel_chunks(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&quire::full_tile_config());
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % Hq, block = blocks - 1 - item / Hq;
-      attend_rows(qs + h * D, q.stride(0), packed, T, D, Tk, h / group, block * kRows, s, os + h * D, Hq * D);
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [p, h, block] = work[index];
+      const Prompt& prompt = prompts[p];
+      const int64_t kv_offset = prompt.packed + (h / group) * round_up(prompt.length, kKeys) * D;
+      attend_rows(qs + prompt.start * q.stride(0) + h * D, q.stride(0), packed_keys.data() + kv_offset,
+                  packed_values.data() + kv_offset, prompt.length, D, block * kRows, s,
+                  os + prompt.start * Hq * D + h * D, Hq * D);
     }
     _tile_release();
   });
-  return out;
-#else
-  (void)scale;
-  return {};
 #endif
 }
