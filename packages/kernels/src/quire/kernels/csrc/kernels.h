@@ -38,9 +38,15 @@ torch::Tensor quant_dequantize(torch::Tensor data, c10::optional<torch::Tensor> 
                                c10::optional<torch::Tensor> rows, const std::string& isa);
 std::string quant_isa(const std::string& requested);
 
+namespace quire {
+// v rounded up to a multiple of `to` (padding of packed blocks and tiles).
+inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+}  // namespace quire
+
 // Row-level pieces of the kernels above, for the decoder stack's one-region path (decode_stack.cpp), which
 // splits the work over its threads itself. Each is compiled once, so every caller gets the same bits.
 namespace quire {
+
 // out = weight * x / rms(x), with x += residual first where residual is given (new_residual = that sum);
 // `summed`: scratch for `hidden` floats. T: float or uint16_t (bfloat16 bits).
 template <typename T>

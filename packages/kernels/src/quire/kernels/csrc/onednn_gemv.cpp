@@ -60,8 +60,6 @@ constexpr int64_t kMaxRows = 32;
 constexpr int64_t kMaxRows = kGemvRows;
 #endif
 
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
 #ifdef QUIRE_ONEDNN_GEMV
 
 // sixteen sums (+ bias) to bfloat16, the first `count` stored
@@ -145,7 +143,8 @@ int64_t onednn_gemv_max_rows() {
 bool onednn_gemv_layout(torch::Tensor packed) {
 #ifdef QUIRE_ONEDNN_GEMV
   if (!packed.is_mkldnn() || packed.scalar_type() != at::kBFloat16 || packed.dim() != 2) return false;
-  const int64_t N = packed.size(0), K = packed.size(1), Np = round_up(N, kBlock), Kp = round_up(K, kBlock);
+  const int64_t N = packed.size(0), K = packed.size(1);
+  const int64_t Np = quire::round_up(N, kBlock), Kp = quire::round_up(K, kBlock);
   if (at::native::nbytes_from_mkldnn(packed) != Np * Kp * 2) return false;
   const auto dense = packed.to_dense().contiguous();
   const auto* plain = reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>());
@@ -205,7 +204,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
     bias_c = bias->to(at::kBFloat16).contiguous();
   }
   const auto* bias_p = bias_c.defined() ? reinterpret_cast<const uint16_t*>(bias_c.data_ptr<at::BFloat16>()) : nullptr;
-  const int64_t P = round_up(K, kBlock) / 2, blocks = round_up(N, kBlock) / kBlock;
+  const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, kBlock) / kBlock;
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
@@ -213,7 +212,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 #ifdef QUIRE_ONEDNN_AMX
   if (M > kGemvRows) {
     // x padded with zeros to whole tiles: rows to a multiple of 32, columns to Kp
-    const int64_t Mp = round_up(M, 32), Kp = 2 * P;
+    const int64_t Mp = quire::round_up(M, 32), Kp = 2 * P;
     std::vector<uint16_t> padded(Mp * Kp, 0);
     for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * Kp], xs + m * K, K * 2);
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
@@ -431,7 +430,7 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
   });
   auto tokens = torch::empty({M}, x.options().dtype(at::kLong));
   auto* out = tokens.data_ptr<int64_t>();
-  const int64_t P = round_up(K, kBlock) / 2;
+  const int64_t P = quire::round_up(K, kBlock) / 2;
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
   for (int64_t m = 0; m < M; ++m) {
     const double lower = best_lower[m];

@@ -1,17 +1,17 @@
-// Causal attention of a prompt over its own keys (no cached prefix), in bfloat16 on AMX tiles.
+// Causal attention of whole prompts over their own keys (no cached prefix), in bfloat16 on AMX tiles.
 //
 // PyTorch's CPU flash attention spends most of a short prompt's time outside its matrix products (a
 // 128-token prompt of 9 heads: ~100 us a layer for ~40 MFLOP) and reaches ~480 GFLOP/s on a 2,048-token
 // one. Here one call takes every whole prompt of a step (one parallel region), and one work item is one
-// prompt's query head and 16 query rows; it walks the keys up to the diagonal 32 at a time:
+// prompt's query head and 16 query rows; it walks the keys up to the diagonal 32 at a time, everything
+// transposed (keys x rows), so that a vector holds one key's score for all 16 rows:
 //
-//   scores  S[16 x 32] = Q[16 x D] . K[32 x D]^T       two tiles, Q rows read in place of a padded copy
-//   online softmax (float32): row maxima, exp(S * scale - max), running sums; the output rows rescaled
-//   output  O[16 x D] += P[16 x 32] . V[32 x D]        P rounded to bfloat16 (as PyTorch's kernel rounds it)
+//   scores  S^T[32 x 16] = K[32 x D] . Q^T[D x 16]      two tiles; Q^T built per item as bfloat16 pairs
+//   online softmax (float32, whole vectors, no sums across lanes): maxima, exp(scale * (S - max)), sums
+//   output  O^T[D x 16] += V^T[D x 32] . P^T[32 x 16]   P rounded to bfloat16 (as PyTorch's kernel rounds it)
 //
-// K and V are first repacked once per call into the pair layouts AMX reads as its second operand
-// (K: [key block of 16][D / 2][16 keys][2], V: [key block of 32][D / 16][16 key pairs][16][2]), zero past the
-// prompt. Sums are float32 throughout; the output is O / sum rounded to bfloat16 once.
+// K and V are first repacked once per call (per prompt and KV head: K rows [Tk][D], V^T per 32-key block
+// [D][32], zero past the prompt). Sums are float32 throughout; the output is O / sum rounded to bfloat16 once.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -33,8 +33,6 @@ namespace {
 
 constexpr int64_t kRows = 16;  // query rows per item
 constexpr int64_t kKeys = 32;  // keys per step
-
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 // e^x for the lanes of x (scores minus their maximum, so x <= 0): Cody-Waite reduction to |r| <= ln2/2 and a
 // degree-6 Taylor polynomial (relative error ~1e-7, below float32's rounding of the scores that feed it; the
@@ -153,7 +151,8 @@ void attend_rows(const uint16_t* query, int64_t q_stride, const uint16_t* keys, 
     }
     sums = _mm512_fmadd_ps(sums, alpha, total);
     if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {
-      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(acc + d * kRows, _mm512_mul_ps(alpha, _mm512_load_ps(acc + d * kRows)));
+      for (int64_t d = 0; d < D; ++d)
+        _mm512_store_ps(acc + d * kRows, _mm512_mul_ps(alpha, _mm512_load_ps(acc + d * kRows)));
     }
     // O^T += V^T . P^T: P^T in tile 4; four 16-row slices of O^T at a time in tiles 0-3, V^T slices in 5-7 and 2
     _tile_loadd(4, probs, 64);
@@ -182,7 +181,8 @@ void attend_rows(const uint16_t* query, int64_t q_stride, const uint16_t* keys, 
     transpose16(block);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 row = _mm512_mul_ps(_mm512_castsi512_ps(block[r]), _mm512_set1_ps(inverse[r]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * out_stride + d0), (__m256i)_mm512_cvtneps_pbh(row));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * out_stride + d0),
+                          (__m256i)_mm512_cvtneps_pbh(row));
     }
   }
 }
@@ -201,7 +201,8 @@ bool prefill_attention_available(int64_t head_dim) {
 
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
                        torch::Tensor out) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prefill_attention: [T, heads, head_dim] expected");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
+              "prefill_attention: [T, heads, head_dim] expected");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16, "prefill_attention: bfloat16 only");
   const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2), Hk = key.size(1);
@@ -230,8 +231,8 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
                 ") is outside the ", T, " rows");
     if (end == start) continue;
     prompts.push_back({start, end - start, packed_size});
-    packed_size += Hk * round_up(end - start, kKeys) * D;
-    max_blocks = std::max(max_blocks, round_up(end - start, kRows) / kRows);
+    packed_size += Hk * quire::round_up(end - start, kKeys) * D;
+    max_blocks = std::max(max_blocks, quire::round_up(end - start, kRows) / kRows);
   }
   if (prompts.empty()) return;
   const int64_t group = Hq / Hk;
@@ -249,7 +250,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
     for (int64_t index = begin; index < end; ++index) {
       const auto [p, g, k0] = packing[index];
       const Prompt& prompt = prompts[p];
-      const int64_t Tk = round_up(prompt.length, kKeys);
+      const int64_t Tk = quire::round_up(prompt.length, kKeys);
       uint16_t* kdst = packed_keys.data() + prompt.packed + g * Tk * D;
       uint16_t* vdst = packed_values.data() + prompt.packed + g * Tk * D + k0 * D;  // this block's [D][32]
       for (int64_t t = k0; t < std::min(prompt.length, k0 + kKeys); ++t) {
@@ -274,7 +275,7 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
     for (int64_t index = begin; index < end; ++index) {
       const auto [p, h, block] = work[index];
       const Prompt& prompt = prompts[p];
-      const int64_t kv_offset = prompt.packed + (h / group) * round_up(prompt.length, kKeys) * D;
+      const int64_t kv_offset = prompt.packed + (h / group) * quire::round_up(prompt.length, kKeys) * D;
       attend_rows(qs + prompt.start * q.stride(0) + h * D, q.stride(0), packed_keys.data() + kv_offset,
                   packed_values.data() + kv_offset, prompt.length, D, block * kRows, s,
                   os + prompt.start * Hq * D + h * D, Hq * D);
