@@ -400,6 +400,8 @@ def parse_args():
     parser.add_argument("--model", choices=MODELS, default="smollm2",
                         help="SmolLM2-135M-Instruct's real weights, or the Qwen2.5-0.5B-shaped checkpoint")
     parser.add_argument("--skip-install", action="store_true", help="never make the vLLM environment")
+    parser.add_argument("--skip", default="", help="configurations to leave out, comma-separated names as the "
+                        "tables print them (e.g. 'transformers bfloat16', slow on CPUs without bfloat16 matmul)")
     parser.add_argument("--quick", action="store_true", help="small counts, for debugging the script")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "quire" / "bench-peers")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
@@ -438,6 +440,13 @@ def main() -> None:
           f"matmul 2048x2048 (best of 3): float32 {bounds['float32'] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {bounds['bfloat16'] / 1e9:.0f} GFLOP/s\nworkload: {load}; serving: {serving_load}")
     configs = peer_configs(engines, venv)
+    skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
+    if skipped - {config.name for config in configs}:
+        sys.exit(f"--skip: unknown {sorted(skipped - {config.name for config in configs})} "
+                 f"(choose from {', '.join(config.name for config in configs)})")
+    configs = [config for config in configs if config.name not in skipped]
+    if skipped:
+        print(f"left out: {', '.join(sorted(skipped))}")
     results, served = {}, {}
     if "offline" in sections:
         for config in configs:

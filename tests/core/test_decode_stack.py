@@ -58,8 +58,11 @@ def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> int:
 @needs_bf16_kernel_path
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm + tied head
 def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arch):
-    assert_stack_equals_modules(LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8),
-                                corpus_token_ids)
+    llm = LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8)
+    steps = assert_stack_equals_modules(llm, corpus_token_ids)
+    if linear_ops.bf16_path() == "kernel":  # AVX2: batch-1 steps run as one region on linear_bf16's row kernel
+        assert model_of(llm).decode_stack.one_region_max_rows == 1
+        assert steps >= NEW_TOKENS - 1  # every decode step of the batch-1 run
 
 
 def one_region_possible() -> bool:
@@ -91,8 +94,9 @@ def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_token
     assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
 
 
-@pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "
-                    "and oneDNN-packed bfloat16 weights")
+@pytest.mark.skipif(not one_region_possible() and linear_ops.bf16_path() != "kernel",
+                    reason="one-region decode steps need oneDNN-packed bfloat16 weights (AVX-512 BF16) or Quire's "
+                           "AVX2 kernel")
 def test_one_region_can_be_switched_off(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("QUIRE_DECODE_ONE_REGION", "0")
     llm = LLM(tiny_checkpoint("qwen3"), dtype="bfloat16", max_model_len=64, max_num_seqs=2)

@@ -17,7 +17,7 @@ def reference(x, weight, bias):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 64, 67])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 64, 67, 128, 300])  # >= 128: float32 GEMM on a panel
 @pytest.mark.parametrize("out_features,in_features", [(48, 64), (49, 70), (50, 8), (7, 3)])
 def test_linear_bf16_kernel_equals_float32_accumulation(rows, out_features, in_features):
     torch.manual_seed(rows * 1000 + out_features)
@@ -36,6 +36,21 @@ def test_linear_bf16_kernel_equals_float32_accumulation(rows, out_features, in_f
     got = CPU_KERNELS.linear_bf16(x.float(), weight, bias)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, x.float() @ weight.float().T + bias.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_linear_bf16_gemm_over_runs_of_outputs():
+    """Many rows of a wide input: the float32 GEMM path takes the outputs in runs of 64 (2,100: 32 runs and a
+    short one), each written to its own columns."""
+    torch.manual_seed(7)
+    x = torch.randn(256, 4096).to(torch.bfloat16)
+    weight = (torch.randn(2100, 4096) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(2100).to(torch.bfloat16)
+    got = CPU_KERNELS.linear_bf16(x, weight, bias)
+    expected = reference(x, weight, bias)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert (got == expected).float().mean().item() > 0.95
+    assert (got[:, 2048:] == expected[:, 2048:]).float().mean().item() > 0.95
 
 
 @needs_kernels

@@ -156,8 +156,32 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
                   layer.gate_up.dense.size(1) == hidden && layer.down.dense.size(1) == intermediate_ &&
                   intermediate_ == layers_.front().gate_up.out_features / 2;
   }
+  // The one-row path: every linear layer a plain bfloat16 weight for linear_bf16's AVX2 kernel, and the
+  // same bfloat16 norms, biases and shapes.
+  row_region_ = !one_region_ && !layers_.empty() && linear_bf16_vectorized() &&
+                final_norm_.scalar_type() == at::kBFloat16;
+  for (const auto& layer : layers_) {
+    const auto plain = [](const LinearWeight& w) {
+      return !w.onednn && w.segments.empty() && w.dense.dim() == 2 && w.dense.is_contiguous();
+    };
+    const bool bf16 = layer.input_norm.scalar_type() == at::kBFloat16 &&
+                      layer.post_norm.scalar_type() == at::kBFloat16 &&
+                      (!layer.qkv_bias.has_value() || layer.qkv_bias->scalar_type() == at::kBFloat16) &&
+                      (!layer.o_bias.has_value() || layer.o_bias->scalar_type() == at::kBFloat16) &&
+                      (!layer.q_norm.has_value() || (layer.q_norm->scalar_type() == at::kBFloat16 &&
+                                                     layer.k_norm->scalar_type() == at::kBFloat16));
+    const int64_t inter = layer.gate_up.out_features / 2;
+    row_region_ = row_region_ && bf16 && plain(layer.qkv) && plain(layer.o_proj) && plain(layer.gate_up) &&
+                  plain(layer.down) && layer.gate_up.out_features == 2 * inter &&
+                  layer.o_proj.out_features == hidden && layer.down.out_features == hidden &&
+                  layer.qkv.dense.size(1) == hidden && layer.o_proj.dense.size(1) == num_heads * head_dim &&
+                  layer.gate_up.dense.size(1) == hidden && layer.down.dense.size(1) == inter;
+    // linear_bf16 adds a bias as float32 (the bfloat16 value, exactly)
+    float_biases_.push_back({layer.qkv_bias.has_value() ? layer.qkv_bias->to(at::kFloat) : torch::Tensor(),
+                             layer.o_bias.has_value() ? layer.o_bias->to(at::kFloat) : torch::Tensor()});
+  }
   const char* setting = std::getenv("QUIRE_DECODE_ONE_REGION");  // "0": always the kernel-by-kernel path
-  if (setting != nullptr && std::string(setting) == "0") one_region_ = false;
+  if (setting != nullptr && std::string(setting) == "0") one_region_ = row_region_ = false;
 }
 
 // ---- one parallel region for a whole decode step of a few rows ----
@@ -405,6 +429,175 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   return out;
 }
 
+// ---- one parallel region for a batch-1 step on the AVX2 kernel path ----
+//
+// The same plan as forward_one_region for one row, with the kernels the path above runs on AVX2 CPUs:
+// linear_bf16's one-row kernel (float32 activations against bfloat16 weight rows, claimed 32 outputs at a
+// time) and paged_decode's portable path (one KV head per item). On 2 cores this removes ~120 parallel
+// regions a token of SmolLM2-135M and the allocations between them. Same functions, so the same bits.
+torch::Tensor DecodeStack::forward_one_row(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
+                                           const torch::Tensor& tables, const torch::Tensor& lengths,
+                                           const torch::Tensor& slots, const torch::Tensor& cos,
+                                           const torch::Tensor& sin) const {
+  const int64_t Hd = hidden.size(1), H = num_heads_, Hk = num_kv_heads_, D = head_dim_;
+  const int64_t group = H / Hk, q_size = H * D, kv_size = Hk * D;
+  const int64_t qkv_n = q_size + 2 * kv_size, half = D / 2, num_layers = static_cast<int64_t>(layers_.size());
+  const int64_t I = layers_.front().gate_up.out_features / 2;
+  const int64_t block_size = kv_caches[0].size(2), num_slots = kv_caches[0].size(1) * block_size;
+  const int64_t length = lengths.data_ptr<int64_t>()[0], slot = slots.data_ptr<int64_t>()[0];
+  const int64_t* table = tables.data_ptr<int64_t>();
+  TORCH_CHECK(slot >= 0 && slot < num_slots, "DecodeStack: slot ", slot, " is outside the cache");
+  TORCH_CHECK(length >= 1 && length <= tables.size(1) * block_size, "DecodeStack: sequence length ", length,
+              " does not fit its block table");
+  std::vector<const uint16_t*> keys(num_layers), values(num_layers);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const auto& cache = kv_caches[l];
+    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 5 &&
+                    cache.size(2) == block_size && cache.size(1) * block_size == num_slots &&
+                    cache.size(3) == Hk && cache.size(4) == D,
+                "DecodeStack: the KV caches must be contiguous bfloat16 [2, N, block, ", Hk, ", ", D, "]");
+    keys[l] = bf16_data(cache);
+    values[l] = keys[l] + cache.stride(0);
+  }
+  for (const auto& layer : layers_) {
+    TORCH_CHECK(layer.gate_up.out_features == 2 * I, "DecodeStack: layers of different MLP widths");
+  }
+  const int threads = std::max(1, at::get_num_threads());
+  static constexpr int64_t kBlock = 32;  // outputs a claim takes at least
+  auto chunk_of = [threads](int64_t outputs) {
+    return std::max<int64_t>(kBlock, (outputs / (4 * threads) + kBlock - 1) / kBlock * kBlock);
+  };
+  struct RowBuffers {
+    std::vector<uint16_t> x, residual[2], head, query;
+    std::vector<float> xf, summed, query_f, attention;
+  };
+  std::vector<RowBuffers> buffers(threads);
+  for (auto& t : buffers) {
+    t.x.resize(Hd);
+    t.residual[0].resize(Hd);
+    t.residual[1].resize(Hd);
+    t.head.resize(D);
+    t.query.resize(group * D);
+    t.xf.resize(std::max({Hd, q_size, I}));
+    t.summed.resize(std::max(Hd, D));
+    t.query_f.resize(group * D);
+    t.attention.resize(group * D);
+  }
+  std::vector<uint16_t> qkv(qkv_n), attention(q_size), projected(Hd), gate_up(2 * I), act(I), down(Hd);
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * 6]());
+  auto out = torch::empty({1, Hd}, hidden.options());
+  const uint16_t* input = bf16_data(hidden);
+  const uint16_t* c = bf16_data(cos);
+  const uint16_t* s = bf16_data(sin);
+  const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+  auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
+    for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
+         first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
+      run(first, std::min(count, first + chunk));
+    }
+  };
+  auto widen_into = [](const uint16_t* from, int64_t n, float* to) {
+    for (int64_t i = 0; i < n; ++i) to[i] = bf16_to_float(from[i]);
+  };
+  auto float_data = [](const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef _OPENMP
+    RowBuffers& mine = buffers[omp_get_thread_num()];
+#else
+    RowBuffers& mine = buffers[0];
+#endif
+    const uint16_t* residual = input;
+    int flip = 0;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const auto& layer = layers_[l];
+      std::atomic<int64_t>* counter = &counters[l * 6];
+      if (l == 0) {
+        rms_norm_row<uint16_t>(input, nullptr, bf16_data(layer.input_norm), mine.x.data(), nullptr, Hd, eps,
+                               mine.summed.data());
+      } else {
+        rms_norm_row<uint16_t>(down.data(), residual, bf16_data(layer.input_norm), mine.x.data(),
+                               mine.residual[flip].data(), Hd, eps, mine.summed.data());
+        residual = mine.residual[flip].data();
+        flip ^= 1;
+      }
+      widen_into(mine.x.data(), Hd, mine.xf.data());
+      const uint16_t* w_qkv = bf16_data(layer.qkv.dense);
+      const float* qkv_bias = float_data(float_biases_[l][0]);
+      claim(counter[0], qkv_n, chunk_of(qkv_n), [&](int64_t first, int64_t last) {
+        linear_bf16_row_outputs(mine.xf.data(), w_qkv, qkv_bias, qkv.data(), Hd, first, last);
+      });
+#pragma omp barrier
+      claim(counter[1], Hk, 1, [&](int64_t first, int64_t last) {
+        for (int64_t kv = first; kv < last; ++kv) {
+          const int64_t slot_offset = slot * kv_size + kv * D;
+          const uint16_t* key = qkv.data() + q_size + kv * D;
+          if (layer.k_norm.has_value()) {
+            rms_norm_row<uint16_t>(key, nullptr, bf16_data(layer.k_norm), mine.head.data(), nullptr, D, eps,
+                                   mine.summed.data());
+            key = mine.head.data();
+          }
+          rotate_head<uint16_t>(key, c, s, const_cast<uint16_t*>(keys[l]) + slot_offset, D);
+          std::memcpy(const_cast<uint16_t*>(values[l]) + slot_offset, qkv.data() + q_size + kv_size + kv * D,
+                      D * sizeof(uint16_t));
+          // the head's attention reads only its own KV head's cache rows, the new one included
+          for (int64_t r = 0; r < group; ++r) {
+            const uint16_t* query = qkv.data() + (kv * group + r) * D;
+            if (layer.q_norm.has_value()) {
+              rms_norm_row<uint16_t>(query, nullptr, bf16_data(layer.q_norm), mine.head.data(), nullptr, D, eps,
+                                     mine.summed.data());
+              query = mine.head.data();
+            }
+            rotate_head<uint16_t>(query, c, s, mine.query.data() + r * D, D);
+          }
+          widen_into(mine.query.data(), group * D, mine.query_f.data());
+          paged_decode_heads_bf16(mine.query_f.data(), keys[l], values[l], table, length, kv, kv + 1, group, Hk, D,
+                                  block_size, scale, mine.attention.data());
+          for (int64_t i = 0; i < group * D; ++i) attention[kv * group * D + i] = to_bf16(mine.attention[i]);
+        }
+      });
+#pragma omp barrier
+      widen_into(attention.data(), q_size, mine.xf.data());
+      const uint16_t* w_o = bf16_data(layer.o_proj.dense);
+      const float* o_bias = float_data(float_biases_[l][1]);
+      claim(counter[3], Hd, chunk_of(Hd), [&](int64_t first, int64_t last) {
+        linear_bf16_row_outputs(mine.xf.data(), w_o, o_bias, projected.data(), q_size, first, last);
+      });
+#pragma omp barrier
+      rms_norm_row<uint16_t>(projected.data(), residual, bf16_data(layer.post_norm), mine.x.data(),
+                             mine.residual[flip].data(), Hd, eps, mine.summed.data());
+      residual = mine.residual[flip].data();
+      flip ^= 1;
+      widen_into(mine.x.data(), Hd, mine.xf.data());
+      // gate/up: a claimed run of gate outputs, then the same run of up outputs, then their SiLU-and-multiply
+      const uint16_t* w_gate_up = bf16_data(layer.gate_up.dense);
+      claim(counter[4], I, chunk_of(I), [&](int64_t first, int64_t last) {
+        linear_bf16_row_outputs(mine.xf.data(), w_gate_up, nullptr, gate_up.data(), Hd, first, last);
+        linear_bf16_row_outputs(mine.xf.data(), w_gate_up, nullptr, gate_up.data(), Hd, I + first, I + last);
+        silu_mul_span<uint16_t>(gate_up.data() + first, gate_up.data() + I + first, act.data() + first, last - first);
+      });
+#pragma omp barrier
+      widen_into(act.data(), I, mine.xf.data());
+      const uint16_t* w_down = bf16_data(layer.down.dense);
+      claim(counter[5], Hd, chunk_of(Hd), [&](int64_t first, int64_t last) {
+        linear_bf16_row_outputs(mine.xf.data(), w_down, nullptr, down.data(), I, first, last);
+      });
+#pragma omp barrier
+    }
+#ifdef _OPENMP
+    if (omp_get_thread_num() == 0)
+#endif
+    {
+      rms_norm_row<uint16_t>(down.data(), residual, bf16_data(final_norm_),
+                             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), mine.residual[flip].data(),
+                             Hd, eps, mine.summed.data());
+    }
+  }
+  one_region_steps_.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch::Tensor>& kv_caches,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor slot_mapping,
                                    torch::Tensor cos, torch::Tensor sin) const {
@@ -428,6 +621,15 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch
 #endif
   ) {
     return forward_one_region(hidden, kv_caches, tables, lengths, slots, cos_c, sin_c);
+  }
+  if (row_region_ && B == 1 && hidden.scalar_type() == at::kBFloat16 && cos_c.scalar_type() == at::kBFloat16 &&
+      sin_c.scalar_type() == at::kBFloat16 && hidden.size(1) == final_norm_.numel() && cos_c.size(0) == 1 &&
+      cos_c.size(1) == head_dim_ / 2 && sin_c.sizes() == cos_c.sizes()
+#ifdef _OPENMP
+      && !omp_in_parallel()
+#endif
+  ) {
+    return forward_one_row(hidden, kv_caches, tables, lengths, slots, cos_c, sin_c);
   }
   torch::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {

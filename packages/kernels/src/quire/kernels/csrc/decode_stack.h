@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <atomic>
 #include <optional>
 #include <string>
@@ -60,7 +61,7 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Whether steps of up to this many rows run as one parallel region (forward_one_region), and how many
   // steps have so far (for tests).
-  int64_t one_region_max_rows() const { return one_region_ ? kOneRegionMaxRows : 0; }
+  int64_t one_region_max_rows() const { return one_region_ ? kOneRegionMaxRows : (row_region_ ? 1 : 0); }
   int64_t one_region_steps() const { return one_region_steps_; }
 
  private:
@@ -70,11 +71,19 @@ class DecodeStack {
                                    const torch::Tensor& slots, const torch::Tensor& cos,
                                    const torch::Tensor& sin) const;
 
+  // The same for a single row on Quire's AVX2 kernel path (plain bfloat16 weights read by linear_bf16's
+  // one-row kernel, the portable paged_decode).
+  torch::Tensor forward_one_row(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
+                                const torch::Tensor& tables, const torch::Tensor& lengths, const torch::Tensor& slots,
+                                const torch::Tensor& cos, const torch::Tensor& sin) const;
+
   std::vector<DecoderLayerWeights> layers_;
   torch::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool one_region_ = false;  // every layer bfloat16 through onednn_gemv, shapes its blocks and heads take
+  bool row_region_ = false;  // every layer bfloat16 through linear_bf16 (AVX2): batch-1 steps in one region
+  std::vector<std::array<torch::Tensor, 2>> float_biases_;  // per layer: qkv and o biases in float32, or undefined
   int64_t intermediate_ = 0;
   mutable std::atomic<int64_t> one_region_steps_{0};
 };

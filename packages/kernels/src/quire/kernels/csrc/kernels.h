@@ -73,6 +73,15 @@ struct AttentionScratch {
   std::vector<float> probs, totals;
 };
 bool paged_decode_item_available(int64_t head_dim);
+// paged_decode's portable path for one request's KV heads [first_kv, last_kv) of a bfloat16 cache: `query` holds
+// their query heads' rows in float32 ([(last_kv - first_kv) * group, head_dim]), `out` gets theirs in float32.
+void paged_decode_heads_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                             const int64_t* blocks, int64_t length, int64_t first_kv, int64_t last_kv, int64_t group,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out);
+// linear_bf16 of one float32 row for outputs [first, last): y[n] = bfloat16(x . w[n] + bias[n]), the bits
+// linear_bf16 computes for a single row (bias: float32, or null).
+void linear_bf16_row_outputs(const float* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t K,
+                             int64_t first, int64_t last);
 void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
                             const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch);

@@ -118,71 +118,80 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+// One request's KV heads [first_kv, last_kv) with the `group` query heads of each (`query`: those rows,
+// float32, [rows, head_dim]); `out` gets their float32 outputs. Noinline: the kernel-by-kernel path below and
+// the decoder stack's one-region path (decode_stack.cpp) compute with the same machine code, so the same bits.
+template <typename T>
+__attribute__((noinline)) void decode_heads(const float* q_base, const T* key_cache, const T* value_cache,
+                                            const int64_t* blocks, int64_t length, int64_t first_kv, int64_t last_kv,
+                                            int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                            float scale, float* out) {
+  thread_local std::vector<float> scores, totals, query_f, accumulator;  // reused across calls
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t rows = (last_kv - first_kv) * group;  // query heads handled here
+  const int64_t row_bytes = (last_kv - first_kv) * head_dim * sizeof(T);
+  query_f.assign(q_base, q_base + rows * head_dim);
+  scores.resize(rows * length);
+  totals.assign(rows, 0.f);
+  // pass 1: scores, block by block, reading each token's row once for all heads handled here
+  for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+    const T* block = key_cache + blocks[t0 / block_size] * block_stride;
+    const T* next = t0 + block_size < length ? key_cache + blocks[t0 / block_size + 1] * block_stride : nullptr;
+    const int64_t count = std::min(block_size, length - t0);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* row = block + i * token_stride;
+      if (next != nullptr) prefetch_row(next + i * token_stride + first_kv * head_dim, row_bytes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* key = row + (first_kv + r / group) * head_dim;
+        const float* q = &query_f[r * head_dim];
+        scores[r * length + t0 + i] = dot_product(q, key, head_dim) * scale;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) totals[r] = softmax_weights<T>(&scores[r * length], length);
+  // pass 2: the weighted sum of values
+  accumulator.assign(rows * head_dim, 0.f);
+  for (int64_t t0 = 0; t0 < length; t0 += block_size) {
+    const T* block = value_cache + blocks[t0 / block_size] * block_stride;
+    const T* next = t0 + block_size < length ? value_cache + blocks[t0 / block_size + 1] * block_stride : nullptr;
+    const int64_t count = std::min(block_size, length - t0);
+    for (int64_t i = 0; i < count; ++i) {
+      const T* row = block + i * token_stride;
+      if (next != nullptr) prefetch_row(next + i * token_stride + first_kv * head_dim, row_bytes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* value = row + (first_kv + r / group) * head_dim;
+        float* acc = &accumulator[r * head_dim];
+        const float p = scores[r * length + t0 + i];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_float(value[d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inverse = 1.f / totals[r];
+    for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = accumulator[r * head_dim + d] * inverse;
+  }
+}
+
 template <typename T>
 void decode(const float* query, const T* key_cache, const T* value_cache, const int64_t* block_tables,
             const int64_t* seq_lens, float* output, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
   // A work item is one request and a range of its KV heads: all of them when there are enough requests
   // to keep every thread busy (reading whole cache rows), fewer when there are not (batch 1).
   const int64_t threads = at::get_num_threads();
   const int64_t head_splits = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, 4 * threads / num_requests));
   const int64_t heads_per_item = (num_kv_heads + head_splits - 1) / head_splits;
   quire::parallel_chunks(0, num_requests * head_splits, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, totals, query_f, accumulator;  // reused across chunks
     for (int64_t item = begin; item < end; ++item) {
       const int64_t request = item / head_splits;
       const int64_t first_kv = (item % head_splits) * heads_per_item;
       const int64_t last_kv = std::min(num_kv_heads, first_kv + heads_per_item);
-      const int64_t rows = (last_kv - first_kv) * group;  // query heads handled here
-      const int64_t row_bytes = (last_kv - first_kv) * head_dim * sizeof(T);
-      const int64_t length = seq_lens[request];
-      const int64_t* blocks = block_tables + request * max_blocks;
-      const float* q_base = query + (request * num_heads + first_kv * group) * head_dim;
-      query_f.assign(q_base, q_base + rows * head_dim);
-      scores.resize(rows * length);
-      totals.assign(rows, 0.f);
-      // pass 1: scores, block by block, reading each token's row once for all heads handled here
-      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
-        const T* block = key_cache + blocks[t0 / block_size] * block_stride;
-        const T* next = t0 + block_size < length ? key_cache + blocks[t0 / block_size + 1] * block_stride : nullptr;
-        const int64_t count = std::min(block_size, length - t0);
-        for (int64_t i = 0; i < count; ++i) {
-          const T* row = block + i * token_stride;
-          if (next != nullptr) prefetch_row(next + i * token_stride + first_kv * head_dim, row_bytes);
-          for (int64_t r = 0; r < rows; ++r) {
-            const T* key = row + (first_kv + r / group) * head_dim;
-            const float* q = &query_f[r * head_dim];
-            scores[r * length + t0 + i] = dot_product(q, key, head_dim) * scale;
-          }
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) totals[r] = softmax_weights<T>(&scores[r * length], length);
-      // pass 2: the weighted sum of values
-      accumulator.assign(rows * head_dim, 0.f);
-      for (int64_t t0 = 0; t0 < length; t0 += block_size) {
-        const T* block = value_cache + blocks[t0 / block_size] * block_stride;
-        const T* next = t0 + block_size < length ? value_cache + blocks[t0 / block_size + 1] * block_stride : nullptr;
-        const int64_t count = std::min(block_size, length - t0);
-        for (int64_t i = 0; i < count; ++i) {
-          const T* row = block + i * token_stride;
-          if (next != nullptr) prefetch_row(next + i * token_stride + first_kv * head_dim, row_bytes);
-          for (int64_t r = 0; r < rows; ++r) {
-            const T* value = row + (first_kv + r / group) * head_dim;
-            float* acc = &accumulator[r * head_dim];
-            const float p = scores[r * length + t0 + i];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_float(value[d]);
-          }
-        }
-      }
-      float* out = output + (request * num_heads + first_kv * group) * head_dim;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float inverse = 1.f / totals[r];
-        for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = accumulator[r * head_dim + d] * inverse;
-      }
+      const int64_t offset = (request * num_heads + first_kv * group) * head_dim;
+      decode_heads(query + offset, key_cache, value_cache, block_tables + request * max_blocks, seq_lens[request],
+                   first_kv, last_kv, group, num_kv_heads, head_dim, block_size, scale, output + offset);
     }
   });
 }
@@ -364,6 +373,13 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 
 
 namespace quire {
+
+void paged_decode_heads_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                             const int64_t* blocks, int64_t length, int64_t first_kv, int64_t last_kv, int64_t group,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out) {
+  decode_heads(query, key_cache, value_cache, blocks, length, first_kv, last_kv, group, num_kv_heads, head_dim,
+               block_size, scale, out);
+}
 
 bool paged_decode_item_available(int64_t head_dim) {
 #ifdef QUIRE_HAVE_AVX512_BF16
