@@ -213,6 +213,28 @@ const uint16_t* bf16_data(const std::optional<torch::Tensor>& t) {
 // PyTorch's float -> bfloat16 (nearest even; NaN to its canonical quiet NaN), as Tensor.to() stores it
 inline uint16_t to_bf16(float v) { return std::isnan(v) ? uint16_t{0x7FC0} : float_to_bf16(v); }
 
+// run(first, last) over [0, count), claimed `chunk` at a time from a phase's counter shared by the threads
+template <typename F>
+void claim(std::atomic<int64_t>& counter, int64_t count, int64_t chunk, F&& run) {
+  for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
+       first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
+    run(first, std::min(count, first + chunk));
+  }
+}
+
+// Each layer's key and value halves of its bfloat16 cache [2, N, block, Hk, D], checked.
+void cache_halves(const std::vector<torch::Tensor>& kv_caches, int64_t block_size, int64_t num_slots, int64_t Hk,
+                  int64_t D, std::vector<const uint16_t*>& keys, std::vector<const uint16_t*>& values) {
+  for (const auto& cache : kv_caches) {
+    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 5 &&
+                    cache.size(2) == block_size && cache.size(1) * block_size == num_slots &&
+                    cache.size(3) == Hk && cache.size(4) == D,
+                "DecodeStack: the KV caches must be contiguous bfloat16 [2, N, block, ", Hk, ", ", D, "]");
+    keys.push_back(bf16_data(cache));
+    values.push_back(keys.back() + cache.stride(0));
+  }
+}
+
 struct ThreadBuffers {
   std::vector<uint32_t> x;          // the normed hidden state as k-pairs, rows x P_hidden
   std::vector<uint16_t> residual[2];
@@ -246,16 +268,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                 length_of[b], " does not fit its block table");
     longest = std::max(longest, length_of[b]);
   }
-  std::vector<const uint16_t*> keys(num_layers), values(num_layers);
-  for (int64_t l = 0; l < num_layers; ++l) {
-    const auto& cache = kv_caches[l];
-    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 5 &&
-                    cache.size(2) == block_size && cache.size(1) * block_size == num_slots &&
-                    cache.size(3) == Hk && cache.size(4) == D,
-                "DecodeStack: the KV caches must be contiguous bfloat16 [2, N, block, ", Hk, ", ", D, "]");
-    keys[l] = bf16_data(cache);
-    values[l] = keys[l] + cache.stride(0);
-  }
+  std::vector<const uint16_t*> keys, values;
+  cache_halves(kv_caches, block_size, num_slots, Hk, D, keys, values);
   std::vector<const uint16_t*> weights(num_layers * 4);
   for (int64_t l = 0; l < num_layers; ++l) {
     const auto& layer = layers_[l];
@@ -295,12 +309,6 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   const uint16_t* sin_p = bf16_data(sin);
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
   // run(first, last) over [0, count), claimed `chunk` at a time from a phase's counter
-  auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
-    for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
-         first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
-      run(first, std::min(count, first + chunk));
-    }
-  };
   auto each = [](auto&& run) {  // run(i) for each index of a claimed range
     return [&run](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) run(i);
@@ -449,16 +457,8 @@ torch::Tensor DecodeStack::forward_one_row(const torch::Tensor& hidden, const st
   TORCH_CHECK(slot >= 0 && slot < num_slots, "DecodeStack: slot ", slot, " is outside the cache");
   TORCH_CHECK(length >= 1 && length <= tables.size(1) * block_size, "DecodeStack: sequence length ", length,
               " does not fit its block table");
-  std::vector<const uint16_t*> keys(num_layers), values(num_layers);
-  for (int64_t l = 0; l < num_layers; ++l) {
-    const auto& cache = kv_caches[l];
-    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kBFloat16 && cache.dim() == 5 &&
-                    cache.size(2) == block_size && cache.size(1) * block_size == num_slots &&
-                    cache.size(3) == Hk && cache.size(4) == D,
-                "DecodeStack: the KV caches must be contiguous bfloat16 [2, N, block, ", Hk, ", ", D, "]");
-    keys[l] = bf16_data(cache);
-    values[l] = keys[l] + cache.stride(0);
-  }
+  std::vector<const uint16_t*> keys, values;
+  cache_halves(kv_caches, block_size, num_slots, Hk, D, keys, values);
   for (const auto& layer : layers_) {
     TORCH_CHECK(layer.gate_up.out_features == 2 * I, "DecodeStack: layers of different MLP widths");
   }
@@ -490,12 +490,6 @@ torch::Tensor DecodeStack::forward_one_row(const torch::Tensor& hidden, const st
   const uint16_t* c = bf16_data(cos);
   const uint16_t* s = bf16_data(sin);
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-  auto claim = [](std::atomic<int64_t>& counter, int64_t count, int64_t chunk, auto&& run) {
-    for (int64_t first = counter.fetch_add(chunk, std::memory_order_relaxed); first < count;
-         first = counter.fetch_add(chunk, std::memory_order_relaxed)) {
-      run(first, std::min(count, first + chunk));
-    }
-  };
   auto widen_into = [](const uint16_t* from, int64_t n, float* to) {
     for (int64_t i = 0; i < n; ++i) to[i] = bf16_to_float(from[i]);
   };
