@@ -188,18 +188,20 @@ void linear_gemm(const torch::Tensor& xf, const uint16_t* w, const float* bias, 
                  int64_t N) {
   const int64_t runs = (N + kColumns - 1) / kColumns;
   quire::parallel_chunks(0, runs, 1, [&](int64_t begin, int64_t end) {
-    thread_local torch::Tensor panel, product;
-    if (!panel.defined() || panel.numel() < kColumns * K) panel = torch::empty({kColumns * K}, xf.options());
-    if (!product.defined() || product.numel() < M * kColumns) product = torch::empty({M * kColumns}, xf.options());
+    // plain memory, wrapped anew in each call: a tensor kept across calls would carry the inference mode of
+    // the call that made it, and writing into an inference tensor outside that mode is refused
+    thread_local std::vector<float> panel, product;
+    panel.resize(std::max<size_t>(panel.size(), kColumns * K));
+    product.resize(std::max<size_t>(product.size(), M * kColumns));
     for (int64_t run = begin; run < end; ++run) {
       const int64_t n0 = run * kColumns, cols = std::min(kColumns, N - n0);
-      float* wf = panel.data_ptr<float>();
+      float* wf = panel.data();
       const uint16_t* src = w + n0 * K;
 #pragma omp simd
       for (int64_t i = 0; i < cols * K; ++i) wf[i] = bf16_to_float(src[i]);
-      auto out = product.narrow(0, 0, M * cols).view({M, cols});
-      at::mm_out(out, xf, panel.narrow(0, 0, cols * K).view({cols, K}).t());
-      const float* o = out.data_ptr<float>();
+      auto out = torch::from_blob(product.data(), {M, cols}, xf.options());
+      at::mm_out(out, xf, torch::from_blob(wf, {cols, K}, xf.options()).t());
+      const float* o = product.data();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < cols; ++j) store<Out>(y + m * N + n0 + j, o[m * cols + j] + (bias ? bias[n0 + j] : 0.f));
     }
