@@ -308,7 +308,6 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   const uint16_t* cos_p = bf16_data(cos);
   const uint16_t* sin_p = bf16_data(sin);
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-  // run(first, last) over [0, count), claimed `chunk` at a time from a phase's counter
   auto each = [](auto&& run) {  // run(i) for each index of a claimed range
     return [&run](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) run(i);
