@@ -40,7 +40,7 @@ def test_linear_bf16_kernel_equals_float32_accumulation(rows, out_features, in_f
 
 @needs_kernels
 def test_linear_bf16_gemm_over_runs_of_outputs():
-    """Many rows of a wide input: the float32 GEMM path takes the outputs in runs of 64 (2,100: 32 runs and a
+    """Many rows of a wide input: the float32 GEMM path takes the outputs in runs of 128 (2,100: 16 runs and a
     short one), each written to its own columns."""
     torch.manual_seed(7)
     x = torch.randn(256, 4096).to(torch.bfloat16)

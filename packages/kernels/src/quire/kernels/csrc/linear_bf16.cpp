@@ -179,14 +179,18 @@ void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, in
 // the number of threads, so neither do the results. Widening costs one pass over the weight, which the rows'
 // products amortise: measured on an AVX2 EPYC (2 cores, SmolLM2-135M's layer shapes), 2,048 rows take
 // 2.8-3.5 s for the 30 layers against 3.5-4.0 s through the tiles above and 128 rows 0.23-0.25 s against
-// 0.29 s, while at 64 rows the tiles are still ahead (0.165 s against 0.176).
+// 0.29 s, while at 64 rows the tiles are still ahead (0.165 s against 0.176). Runs of 128 outputs rather than
+// 64 halve how often the GEMM packs x: 512 rows 0.74-0.75 -> 0.68-0.69 s, 2,048 rows 2.9-3.0 -> 2.7-2.85 s
+// (quiet hour, 180 GFLOP/s float32 matmul); runs sized to split a 576-wide layer evenly were slower.
 constexpr int64_t kGemmRows = 128;
-constexpr int64_t kColumns = 64;
+constexpr int64_t kColumns = 128;
 
 template <typename Out>
 void linear_gemm(const torch::Tensor& xf, const uint16_t* w, const float* bias, Out* y, int64_t M, int64_t K,
                  int64_t N) {
-  const int64_t runs = (N + kColumns - 1) / kColumns;
+  // At least two runs: one run would be computed outside any parallel region, where ATen's GEMM threads
+  // itself and its bits then follow the thread count (linear_any sends a single output to the tiles).
+  const int64_t columns = N > kColumns ? kColumns : (N + 1) / 2, runs = (N + columns - 1) / columns;
   quire::parallel_chunks(0, runs, 1, [&](int64_t begin, int64_t end) {
     // plain memory, wrapped anew in each call: a tensor kept across calls would carry the inference mode of
     // the call that made it, and writing into an inference tensor outside that mode is refused
@@ -194,7 +198,7 @@ void linear_gemm(const torch::Tensor& xf, const uint16_t* w, const float* bias, 
     panel.resize(std::max<size_t>(panel.size(), kColumns * K));
     product.resize(std::max<size_t>(product.size(), M * kColumns));
     for (int64_t run = begin; run < end; ++run) {
-      const int64_t n0 = run * kColumns, cols = std::min(kColumns, N - n0);
+      const int64_t n0 = run * columns, cols = std::min(columns, N - n0);
       float* wf = panel.data();
       const uint16_t* src = w + n0 * K;
 #pragma omp simd
@@ -214,7 +218,7 @@ void linear_any(const torch::Tensor& xf, const uint16_t* w, const float* bias, O
   const float* x = xf.data_ptr<float>();
   if (M == 1) {
     linear_row(x, w, bias, y, K, N);
-  } else if (M >= kGemmRows) {
+  } else if (M >= kGemmRows && N >= 2) {
     linear_gemm(xf, w, bias, y, M, K, N);
   } else {
     linear_rows(x, w, bias, y, M, K, N);
