@@ -173,15 +173,16 @@ void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, in
 }
 
 // Many rows (prompt prefill): float32 GEMM through ATen (MKL's or oneDNN's sgemm, blocked for the caches) on
-// float32 copies of the weight, kColumns outputs at a time: a thread claims a run of outputs, widens those
-// weight rows into a buffer it keeps, multiplies every row of x by them on its own (ATen's GEMM runs on one
-// thread inside the region), then adds the bias and rounds into y. The split into runs does not depend on
-// the number of threads, so neither do the results. Widening costs one pass over the weight, which the rows'
-// products amortise: measured on an AVX2 EPYC (2 cores, SmolLM2-135M's layer shapes), 2,048 rows take
-// 2.8-3.5 s for the 30 layers against 3.5-4.0 s through the tiles above and 128 rows 0.23-0.25 s against
-// 0.29 s, while at 64 rows the tiles are still ahead (0.165 s against 0.176). Runs of 128 outputs rather than
-// 64 halve how often the GEMM packs x: 512 rows 0.74-0.75 -> 0.68-0.69 s, 2,048 rows 2.9-3.0 -> 2.7-2.85 s
-// (quiet hour, 180 GFLOP/s float32 matmul); runs sized to split a 576-wide layer evenly were slower.
+// float32 copies of the weight, kColumns outputs at a time (a narrower layer in two runs): a thread claims a
+// run of outputs, widens those weight rows into a buffer it keeps, multiplies every row of x by them on its
+// own (ATen's GEMM runs on one thread inside the region), then adds the bias and rounds into y. The split into
+// runs does not depend on the number of threads, so neither do the results. Widening costs one pass over the
+// weight, which the rows' products amortise: measured on an AVX2 EPYC (2 cores, SmolLM2-135M's layer shapes),
+// 2,048 rows take 2.8-3.5 s for the 30 layers against 3.5-4.0 s through the tiles above and 128 rows
+// 0.23-0.25 s against 0.29 s, while at 64 rows the tiles are still ahead (0.165 s against 0.176). Runs of 128
+// outputs rather than 64 halve how often the GEMM packs x: 512 rows 0.74-0.75 -> 0.68-0.69 s, 2,048 rows
+// 2.9-3.0 -> 2.7-2.85 s (quiet hour, 180 GFLOP/s float32 matmul); runs sized to split a 576-wide layer evenly
+// were slower.
 constexpr int64_t kGemmRows = 128;
 constexpr int64_t kColumns = 128;
 
