@@ -327,15 +327,16 @@ def _runs(values) -> str:
 
 def figures(result: dict, dtype: str, bounds: dict, shape: dict, load: Workload) -> list[float]:
     """One table row's numbers: decode tok/s and its fraction of the bandwidth bound, prefill tok/s per
-    length and the longest one's fraction of float32 matmul throughput and of the row's own dtype's, offline
-    output tok/s."""
+    length and the longest one's fraction of float32 matmul throughput and of the faster of float32 and the
+    row's own dtype (a bfloat16 engine may compute in float32 where the CPU has no bfloat16 matrix path: on
+    AVX2, PyTorch's bfloat16 matmul is a generic loop, and a fraction of it means nothing), offline output tok/s."""
     decode = statistics.median(result["decode"])
     prefill = [statistics.median(result["prefill"][str(length)]) for length in load.prefill_lens]
     longest = load.prefill_lens[-1]
     flops = prefill_flops(shape, longest) / (longest / prefill[-1])
     weight_bytes = shape["num_params"] * (4 if dtype == "float32" else 2)
     return [decode, decode * weight_bytes / bounds["bandwidth"], *prefill, flops / bounds["float32"],
-            flops / bounds[dtype], statistics.median(result["throughput"])]
+            flops / max(bounds[dtype], bounds["float32"]), statistics.median(result["throughput"])]
 
 
 def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title: str) -> None:
@@ -343,7 +344,7 @@ def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title
 
     lengths = load.prefill_lens
     header = ["engine", "batch-1 tok/s", "fraction of bandwidth bound", *(f"prefill {n} tok/s" for n in lengths),
-              f"fraction of float32 matmul ({lengths[-1]})", f"fraction of own dtype's matmul ({lengths[-1]})",
+              f"fraction of float32 matmul ({lengths[-1]})", f"fraction of best matmul, own dtype or float32 ({lengths[-1]})",
               f"{load.num_requests}x{load.prompt_len}/{load.output_len} output tok/s"]
     rows = {name: figures(result, result["dtype"], bounds, shape, load) for name, result in results.items()}
     table(f"{title}, {os.cpu_count()} CPUs (medians)", header, [[name, *values] for name, values in rows.items()])
@@ -438,7 +439,7 @@ def main() -> None:
           f"({shape['num_params'] / 1e6:.1f}M parameters, {shape['num_non_embedding'] / 1e6:.1f}M without the "
           f"embedding)\ncopy bandwidth (read + write, 1 GiB, best of 3): {bounds['bandwidth'] / 1e9:.1f} GB/s\n"
           f"matmul 2048x2048 (best of 3): float32 {bounds['float32'] / 1e9:.0f} GFLOP/s, "
-          f"bfloat16 {bounds['bfloat16'] / 1e9:.0f} GFLOP/s\nworkload: {load}; serving: {serving_load}")
+          f"bfloat16 {bounds['bfloat16'] / 1e9:.1f} GFLOP/s\nworkload: {load}; serving: {serving_load}")
     configs = peer_configs(engines, venv)
     skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
     if skipped - {config.name for config in configs}:

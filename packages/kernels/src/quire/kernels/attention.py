@@ -14,7 +14,7 @@ for one layer (a model with windowed layers plans once per distinct window). ``p
 is the reference the other kernels are checked against.
 
 A whole prompt with no cached prefix (and no window to apply) attends only to its own keys: given this step's
-``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one on CPUs with AMX), it runs
+``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one: AMX or AVX2), it runs
 there on those rows instead of gathering them back from the cache for ``scaled_dot_product_attention``.
 """
 

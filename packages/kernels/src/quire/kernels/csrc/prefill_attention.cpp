@@ -1,4 +1,5 @@
-// Causal attention of whole prompts over their own keys (no cached prefix), in bfloat16 on AMX tiles.
+// Causal attention of whole prompts over their own keys (no cached prefix): bfloat16 on AMX tiles where the CPU
+// has them, float32 on AVX2 FMA elsewhere (the second path is described further down).
 //
 // PyTorch's CPU flash attention spends most of a short prompt's time outside its matrix products (a
 // 128-token prompt of 9 heads: ~100 us a layer for ~40 MFLOP) and reaches ~480 GFLOP/s on a 2,048-token
@@ -12,6 +13,9 @@
 //
 // K and V are first repacked once per call (per prompt and KV head: K rows [Tk][D], V^T per 32-key block
 // [D][32], zero past the prompt). Sums are float32 throughout; the output is O / sum rounded to bfloat16 once.
+//
+// On AVX2 machines PyTorch's kernel runs at 30-80 GFLOP/s (128- to 2,048-token prompts of 9 heads on two Zen 3
+// cores), against ~125 for a large float32 matrix product.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -26,6 +30,58 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "parallel.h"
+
+namespace {
+
+// One prompt of the call: rows start .. start + length of query, key, value and out; its keys and values
+// repacked at `packed` (in elements): per KV head, Tk = length rounded up to 32 rows, zero past the prompt
+// (AMX: keys [Tk][D] and values [Tk / 32][D][32], each 32-key block transposed; AVX2: keys [Tk / 8][D][8]
+// and values [Tk][D]).
+struct Prompt {
+  int64_t start, length, packed;
+};
+
+// What both paths read: bfloat16 rows (heads and dims dense within a row) and the prompts' ranges.
+struct Call {
+  const uint16_t *query, *key, *value;
+  int64_t q_stride, k_stride, v_stride;  // elements from one row to the next
+  int64_t Hq, Hk, D;
+  float scale;
+  uint16_t* out;  // [T][Hq][D]
+  std::vector<Prompt> prompts;
+  int64_t packed_size;  // elements of one repacked copy of all the prompts' keys (or values)
+};
+
+// One task per prompt, query head and `rows` query rows; the longest (the last blocks of the longest prompts)
+// first, so that the short ones even out the threads at the end.
+std::vector<std::array<int64_t, 3>> work_items(const Call& call, int64_t rows) {
+  int64_t max_blocks = 0;
+  for (const Prompt& prompt : call.prompts) max_blocks = std::max(max_blocks, (prompt.length + rows - 1) / rows);
+  std::vector<std::array<int64_t, 3>> work;  // prompt, head, block
+  for (int64_t block = max_blocks - 1; block >= 0; --block)
+    for (int64_t p = 0; p < static_cast<int64_t>(call.prompts.size()); ++p)
+      if (block * rows < call.prompts[p].length)
+        for (int64_t h = 0; h < call.Hq; ++h) work.push_back({p, h, block});
+  return work;
+}
+
+// The repacking tasks: one prompt, KV head and 32 keys each (~1 us: a few are not worth waking a thread for).
+template <typename F>
+void repack(const Call& call, const F& pack_block) {
+  std::vector<std::array<int64_t, 3>> packing;  // prompt, KV head, first key
+  for (int64_t p = 0; p < static_cast<int64_t>(call.prompts.size()); ++p)
+    for (int64_t g = 0; g < call.Hk; ++g)
+      for (int64_t k0 = 0; k0 < call.prompts[p].length; k0 += 32) packing.push_back({p, g, k0});
+  const int64_t tasks = packing.size();
+  quire::parallel_chunks(0, tasks, quire::chunk_size(tasks, 16), [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [p, g, k0] = packing[index];
+      pack_block(call.prompts[p], g, k0);
+    }
+  });
+}
+
+}  // namespace
 
 #ifdef QUIRE_AMX
 
@@ -78,13 +134,6 @@ inline void transpose16(__m512i r[16]) {
     r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
   }
 }
-
-// One prompt of the call: rows start .. start + length of query, key, value and out; its keys and values
-// repacked at `packed` (in elements): per KV head, keys [Tk][D] (Tk = length rounded up to 32, zero past it)
-// and values [Tk / 32][D][32] (each 32-key block transposed).
-struct Prompt {
-  int64_t start, length, packed;
-};
 
 // One item: query head h, rows r0 .. r0 + 15 (those past T are computed from zero rows and dropped). Everything
 // is transposed, keys x queries: a vector then holds one key's score for the 16 rows, so the softmax needs no
@@ -190,13 +239,328 @@ void attend_rows(const uint16_t* query, int64_t q_stride, const uint16_t* keys, 
 }  // namespace
 #endif  // QUIRE_AMX
 
-bool prefill_attention_available(int64_t head_dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+#define QUIRE_AVX2_ATTENTION 1
+#include <immintrin.h>
+
+// The same attention for CPUs without AMX (or where Linux withholds it), in float32 on AVX2 FMA: keys and values
+// widened to float32 once per call (exact), rows of scores with keys along the lanes. One item is 12 query rows,
+// two tiles of 6; each tile walks its keys up to its last row in blocks of 512:
+//
+//   scores  S[6 x 16] = Q[6 x D] . K^T[D x 16]   per 16 keys; 12 accumulators, K^T packed [keys / 8][D][8]
+//   softmax per row (float32): S * scale, masked, the maximum over the block and the blocks before it,
+//           exp(S * scale - max), sums; P rounded to bfloat16 precision
+//   output  O[6 x 16] = alpha O + P[6 x keys] . V[keys x 16]   for each 16 of D; V as float32 rows [keys][D]
+//
+// This is the order of PyTorch's own CPU kernel (blocks of 512 keys, the maximum of the scaled scores, P in
+// bfloat16, O times 1 / sum), so that the two agree as closely as float32 sums in another order allow: models
+// whose greedy choices sit on near-ties in bfloat16 then pick what transformers picks as often as before.
+namespace {
+namespace avx2 {
+
+constexpr int64_t kTile = 6;           // query rows per register tile
+constexpr int64_t kRows = 2 * kTile;   // query rows per item
+constexpr int64_t kKeys = 32;          // keys per repacking task (prompts' keys padded to a multiple)
+constexpr int64_t kBlock = 512;        // keys per softmax block, as PyTorch's kernel takes them
+constexpr int64_t kMaxDim = 256;
+
+inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// e^x for the lanes of x (x <= 0 but for NaN): as exp_lanes above, 2^n built in the exponent bits.
+inline __m256 exp_lanes(__m256 x) {
+  const __m256 floor = _mm256_set1_ps(-87.f);
+  const __m256 clamped = _mm256_max_ps(floor, x);  // NaN in x passes through
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 kept = _mm256_cmp_ps(x, floor, _CMP_NLT_UQ);
+  return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+// x rounded to the nearest bfloat16, ties to even, kept as float32 (NaN stays NaN)
+inline __m256i bf16_rounded_bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+inline __m256 round_to_bf16(__m256 x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// r[j] = column j of the 8 x 8 matrix whose rows r held
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// `count` (<= 8) key rows of D bfloat16 into one [D][8] group of K^T, float32 (zero for the missing rows)
+inline void pack_key_group(const uint16_t* first, int64_t stride, int64_t count, int64_t D, float* group) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {
+    __m256 r[8];
+    for (int64_t i = 0; i < 8; ++i) r[i] = i < count ? load_bf16x8(first + i * stride + d0) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(group + (d0 + i) * 8, r[i]);
+  }
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// S[6][16] = Q[6 rows, stride kMaxDim] . K^T for 16 keys (two groups of 8 of the packed K^T, [D][8] each)
+inline void score_tile(const float* q, const float* k_group, int64_t D, float* s, int64_t s_stride) {
+  __m256 a[kTile][2];
+  for (int r = 0; r < kTile; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  const float* k_next = k_group + D * 8;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(k_group + d * 8), k1 = _mm256_loadu_ps(k_next + d * 8);
+    for (int r = 0; r < kTile; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(q + r * kMaxDim + d);
+      a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < kTile; ++r) {
+    _mm256_store_ps(s + r * s_stride, a[r][0]);
+    _mm256_store_ps(s + r * s_stride + 8, a[r][1]);
+  }
+}
+
+// O[6][D] = alpha[r] * O + P[6][keys] . V[keys][D], 16 of D at a time (P rows kBlock apart)
+inline void output_tile(const float* p, const float* alpha, const float* v, int64_t keys, int64_t D, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m256 a[kTile][2];
+    for (int r = 0; r < kTile; ++r) {
+      const __m256 scale = _mm256_broadcast_ss(alpha + r);
+      a[r][0] = _mm256_mul_ps(scale, _mm256_load_ps(o + r * kMaxDim + d0));
+      a[r][1] = _mm256_mul_ps(scale, _mm256_load_ps(o + r * kMaxDim + d0 + 8));
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0), v1 = _mm256_loadu_ps(v + j * D + d0 + 8);
+      for (int r = 0; r < kTile; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(p + r * kBlock + j);
+        a[r][0] = _mm256_fmadd_ps(pv, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pv, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < kTile; ++r) {
+      _mm256_store_ps(o + r * kMaxDim + d0, a[r][0]);
+      _mm256_store_ps(o + r * kMaxDim + d0 + 8, a[r][1]);
+    }
+  }
+}
+
+// One item: query head rows r0 .. r0 + 11 of a prompt of T rows (those past T computed from zero rows and
+// dropped); keys as K^T groups [Tk / 8][D][8] and values as rows [Tk][D], float32, zero past T.
+void attend_rows(const uint16_t* query, int64_t q_stride, const float* keys_t, const float* values, int64_t T,
+                 int64_t D, int64_t r0, float scale, uint16_t* out, int64_t out_stride) {
+  alignas(32) float q[kRows * kMaxDim];
+  alignas(32) float acc[kRows * kMaxDim];
+  alignas(32) float scores[kTile * kBlock];  // scaled scores, then probabilities rounded to bfloat16
+  float maxima[kRows], sums[kRows], alpha[kTile];
+  const int64_t rows = std::min(kRows, T - r0);
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* row = q + r * kMaxDim;
+    if (r >= rows) {
+      std::fill(row, row + D, 0.f);
+      continue;
+    }
+    const uint16_t* src = query + (r0 + r) * q_stride;
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(row + d, load_bf16x8(src + d));
+  }
+  std::fill(acc, acc + kRows * kMaxDim, 0.f);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  std::fill(maxima, maxima + kRows, kMinusInf);
+  std::fill(sums, sums + kRows, 0.f);
+  const __m256 minus_inf = _mm256_set1_ps(kMinusInf);
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t0 = 0; t0 < rows; t0 += kTile) {
+    const int64_t last = r0 + std::min(t0 + kTile, rows) - 1;  // the tile's last row in the prompt
+    const float* qt = q + t0 * kMaxDim;
+    for (int64_t k0 = 0; k0 <= last; k0 += kBlock) {
+      const int64_t keys = std::min(kBlock, last - k0 + 1);  // scored 16 at a time: within the packed keys
+      for (int64_t j = 0; j < keys; j += 16) score_tile(qt, keys_t + (k0 + j) * D, D, scores + j, kBlock);
+      for (int64_t r = 0; r < kTile; ++r) {
+        float* row = scores + r * kBlock;
+        // keys k0 .. k0 + seen - 1 are visible to row r0 + t0 + r (rows past the prompt: those scored)
+        const int64_t seen = std::clamp<int64_t>(r0 + t0 + r - k0 + 1, 0, keys);
+        __m256 m = minus_inf, nan = _mm256_setzero_ps();
+        for (int64_t j = 0; j < keys; j += 8) {
+          const __m256 hidden = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(j))),
+                                              _mm256_set1_ps(static_cast<float>(seen)), _CMP_GE_OQ);
+          const __m256 scaled = _mm256_blendv_ps(_mm256_mul_ps(_mm256_load_ps(row + j), scale_v), minus_inf, hidden);
+          _mm256_store_ps(row + j, scaled);
+          m = _mm256_max_ps(m, scaled);
+          nan = _mm256_or_ps(nan, _mm256_cmp_ps(scaled, scaled, _CMP_UNORD_Q));
+        }
+        // a NaN score makes the maximum NaN (max_ps alone may drop it), and a NaN maximum stays
+        const float block_max = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : hmax(m);
+        const float old_max = maxima[t0 + r];
+        const float new_max = old_max > block_max ? old_max : block_max;
+        if (new_max == kMinusInf) {  // nothing visible yet: weights 0 (not exp(-inf - -inf), NaN)
+          std::fill(row, row + round_up16(keys), 0.f);
+          alpha[r] = 1.f;
+          continue;
+        }
+        const __m256 max_v = _mm256_set1_ps(new_max);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < keys; j += 8) {
+          const __m256 p = exp_lanes(_mm256_sub_ps(_mm256_load_ps(row + j), max_v));
+          total = _mm256_add_ps(total, p);
+          _mm256_store_ps(row + j, round_to_bf16(p));
+        }
+        alpha[r] = std::exp(old_max - new_max);
+        sums[t0 + r] = hsum(total) + alpha[r] * sums[t0 + r];
+        maxima[t0 + r] = new_max;
+      }
+      output_tile(scores, alpha, values + k0 * D, keys, D, acc + t0 * kMaxDim);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 inverse = _mm256_set1_ps(1.f / (sums[r] == 0.f ? 1.f : sums[r]));
+    uint16_t* dst = out + (r0 + r) * out_stride;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 lo = _mm256_mul_ps(_mm256_load_ps(acc + r * kMaxDim + d), inverse);
+      const __m256 hi = _mm256_mul_ps(_mm256_load_ps(acc + r * kMaxDim + d + 8), inverse);
+      // packs within 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7): put the quarters back in order
+      const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(bf16_rounded_bits(lo), 16),
+                                                 _mm256_srli_epi32(bf16_rounded_bits(hi), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+  }
+}
+
+}  // namespace avx2
+}  // namespace
+#endif  // __AVX2__ && __FMA__
+
+#ifdef QUIRE_AMX
+namespace {
+
+void attend_amx(const Call& call) {
+  const int64_t D = call.D, group = call.Hq / call.Hk;
+  std::vector<uint16_t> packed_keys(call.packed_size, 0), packed_values(call.packed_size, 0);
+  repack(call, [&](const Prompt& prompt, int64_t g, int64_t k0) {
+    const int64_t Tk = quire::round_up(prompt.length, kKeys);
+    uint16_t* kdst = packed_keys.data() + prompt.packed + g * Tk * D;
+    uint16_t* vdst = packed_values.data() + prompt.packed + g * Tk * D + k0 * D;  // this block's [D][32]
+    for (int64_t t = k0; t < std::min(prompt.length, k0 + kKeys); ++t) {
+      const int64_t row = prompt.start + t;
+      std::memcpy(kdst + t * D, call.key + row * call.k_stride + g * D, D * 2);
+      const uint16_t* vrow = call.value + row * call.v_stride + g * D;
+      for (int64_t d = 0; d < D; ++d) vdst[d * kKeys + (t - k0)] = vrow[d];
+    }
+  });
+  const auto work = work_items(call, kRows);
+  quire::parallel_chunks(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(&quire::full_tile_config());
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [p, h, block] = work[index];
+      const Prompt& prompt = call.prompts[p];
+      const int64_t kv_offset = prompt.packed + (h / group) * quire::round_up(prompt.length, kKeys) * D;
+      attend_rows(call.query + prompt.start * call.q_stride + h * D, call.q_stride, packed_keys.data() + kv_offset,
+                  packed_values.data() + kv_offset, prompt.length, D, block * kRows, call.scale,
+                  call.out + prompt.start * call.Hq * D + h * D, call.Hq * D);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+#endif  // QUIRE_AMX
+
+#ifdef QUIRE_AVX2_ATTENTION
+namespace {
+
+void attend_avx2(const Call& call) {
+  const int64_t D = call.D, group = call.Hq / call.Hk;
+  std::vector<float> keys_t(call.packed_size, 0.f), values(call.packed_size, 0.f);
+  repack(call, [&](const Prompt& prompt, int64_t g, int64_t k0) {
+    const int64_t Tk = quire::round_up(prompt.length, avx2::kKeys);
+    float* kdst = keys_t.data() + prompt.packed + g * Tk * D;
+    float* vdst = values.data() + prompt.packed + g * Tk * D;
+    const int64_t end = std::min(prompt.length, k0 + avx2::kKeys);
+    for (int64_t t = k0; t < end; t += 8)  // key t's group of 8: [D][8] at t * D
+      avx2::pack_key_group(call.key + (prompt.start + t) * call.k_stride + g * D, call.k_stride,
+                           std::min<int64_t>(8, end - t), D, kdst + t * D);
+    for (int64_t t = k0; t < end; ++t) {
+      const uint16_t* vrow = call.value + (prompt.start + t) * call.v_stride + g * D;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vdst + t * D + d, avx2::load_bf16x8(vrow + d));
+    }
+  });
+  const auto work = work_items(call, avx2::kRows);
+  quire::parallel_chunks(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [p, h, block] = work[index];
+      const Prompt& prompt = call.prompts[p];
+      const int64_t kv_offset = prompt.packed + (h / group) * quire::round_up(prompt.length, avx2::kKeys) * D;
+      avx2::attend_rows(call.query + prompt.start * call.q_stride + h * D, call.q_stride, keys_t.data() + kv_offset,
+                        values.data() + kv_offset, prompt.length, D, block * avx2::kRows, call.scale,
+                        call.out + prompt.start * call.Hq * D + h * D, call.Hq * D);
+    }
+  });
+}
+
+}  // namespace
+#endif  // QUIRE_AVX2_ATTENTION
+
+namespace {
+
+bool amx_runs(int64_t head_dim) {
 #ifdef QUIRE_AMX
   return quire::amx_permitted() && head_dim % 32 == 0 && head_dim <= 256;
 #else
   (void)head_dim;
   return false;
 #endif
+}
+
+}  // namespace
+
+bool prefill_attention_available(int64_t head_dim) {
+#ifdef QUIRE_AVX2_ATTENTION
+  if (head_dim > 0 && head_dim % 16 == 0 && head_dim <= avx2::kMaxDim) return true;
+#endif
+  return amx_runs(head_dim);
 }
 
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
@@ -215,7 +579,6 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
   TORCH_CHECK(ranges.dim() == 2 && ranges.size(1) == 2 && ranges.scalar_type() == torch::kInt64 && ranges.is_cpu(),
               "prefill_attention: ranges must be an int64 [prompts, 2] tensor of (start, end) rows");
   TORCH_CHECK(prefill_attention_available(D), "prefill_attention: not available for head_dim ", D, " in this build");
-#ifdef QUIRE_AMX
   // rows may be strided (views into a fused projection); within a row, heads and dims must be dense
   auto dense_rows = [](const torch::Tensor& t) {
     return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
@@ -223,64 +586,24 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
   const auto q = dense_rows(query), k = dense_rows(key), v = dense_rows(value);
   const auto bounds = ranges.contiguous();
   const int64_t* bound = bounds.data_ptr<int64_t>();
-  std::vector<Prompt> prompts;
-  int64_t packed_size = 0, max_blocks = 0;
+  Call call{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
+            q.stride(0), k.stride(0), v.stride(0), Hq, Hk, D, static_cast<float>(scale),
+            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), {}, 0};
   for (int64_t i = 0; i < bounds.size(0); ++i) {
     const int64_t start = bound[2 * i], end = bound[2 * i + 1];
     TORCH_CHECK(0 <= start && start <= end && end <= T, "prefill_attention: range ", i, " (", start, ", ", end,
                 ") is outside the ", T, " rows");
     if (end == start) continue;
-    prompts.push_back({start, end - start, packed_size});
-    packed_size += Hk * quire::round_up(end - start, kKeys) * D;
-    max_blocks = std::max(max_blocks, quire::round_up(end - start, kRows) / kRows);
+    call.prompts.push_back({start, end - start, call.packed_size});
+    call.packed_size += Hk * quire::round_up(end - start, 32) * D;
   }
-  if (prompts.empty()) return;
-  const int64_t group = Hq / Hk;
-  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> packed_keys(packed_size, 0), packed_values(packed_size, 0);
-  // repack, one prompt, KV head and 32 keys per task (~1 us each: a few are not worth waking a thread for)
-  std::vector<std::array<int64_t, 3>> packing;  // prompt, KV head, first key
-  for (int64_t p = 0; p < static_cast<int64_t>(prompts.size()); ++p)
-    for (int64_t g = 0; g < Hk; ++g)
-      for (int64_t k0 = 0; k0 < prompts[p].length; k0 += kKeys) packing.push_back({p, g, k0});
-  const int64_t tasks = packing.size();
-  quire::parallel_chunks(0, tasks, quire::chunk_size(tasks, 16), [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const auto [p, g, k0] = packing[index];
-      const Prompt& prompt = prompts[p];
-      const int64_t Tk = quire::round_up(prompt.length, kKeys);
-      uint16_t* kdst = packed_keys.data() + prompt.packed + g * Tk * D;
-      uint16_t* vdst = packed_values.data() + prompt.packed + g * Tk * D + k0 * D;  // this block's [D][32]
-      for (int64_t t = k0; t < std::min(prompt.length, k0 + kKeys); ++t) {
-        const int64_t row = prompt.start + t;
-        std::memcpy(kdst + t * D, ks + row * k.stride(0) + g * D, D * 2);
-        const uint16_t* vrow = vs + row * v.stride(0) + g * D;
-        for (int64_t d = 0; d < D; ++d) vdst[d * kKeys + (t - k0)] = vrow[d];
-      }
-    }
-  });
-  // one task: a prompt, a query head and 16 rows; the longest (the last blocks of the longest prompts) first,
-  // so that the short ones even out the threads at the end
-  std::vector<std::array<int64_t, 3>> work;  // prompt, head, block
-  for (int64_t block = max_blocks - 1; block >= 0; --block)
-    for (int64_t p = 0; p < static_cast<int64_t>(prompts.size()); ++p)
-      if (block * kRows < prompts[p].length)
-        for (int64_t h = 0; h < Hq; ++h) work.push_back({p, h, block});
-  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float s = static_cast<float>(scale);
-  quire::parallel_chunks(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    _tile_loadconfig(&quire::full_tile_config());
-    for (int64_t index = begin; index < end; ++index) {
-      const auto [p, h, block] = work[index];
-      const Prompt& prompt = prompts[p];
-      const int64_t kv_offset = prompt.packed + (h / group) * quire::round_up(prompt.length, kKeys) * D;
-      attend_rows(qs + prompt.start * q.stride(0) + h * D, q.stride(0), packed_keys.data() + kv_offset,
-                  packed_values.data() + kv_offset, prompt.length, D, block * kRows, s,
-                  os + prompt.start * Hq * D + h * D, Hq * D);
-    }
-    _tile_release();
-  });
+  if (call.prompts.empty()) return;
+#ifdef QUIRE_AMX
+  if (amx_runs(D)) return attend_amx(call);
+#endif
+#ifdef QUIRE_AVX2_ATTENTION
+  attend_avx2(call);
 #endif
 }
