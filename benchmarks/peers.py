@@ -344,7 +344,8 @@ def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title
 
     lengths = load.prefill_lens
     header = ["engine", "batch-1 tok/s", "fraction of bandwidth bound", *(f"prefill {n} tok/s" for n in lengths),
-              f"fraction of float32 matmul ({lengths[-1]})", f"fraction of best matmul, own dtype or float32 ({lengths[-1]})",
+              f"fraction of float32 matmul ({lengths[-1]})",
+              f"fraction of best matmul, own dtype or float32 ({lengths[-1]})",
               f"{load.num_requests}x{load.prompt_len}/{load.output_len} output tok/s"]
     rows = {name: figures(result, result["dtype"], bounds, shape, load) for name, result in results.items()}
     table(f"{title}, {os.cpu_count()} CPUs (medians)", header, [[name, *values] for name, values in rows.items()])
