@@ -112,6 +112,22 @@ def test_bf16_decodes_with_wide_heads_match_dense(num_requests):
         torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 40), (10, 2, 128), (5, 5, 24)])
+def test_decodes_of_every_head_group_and_width_match_dense(dtype, tol, num_heads, num_kv_heads, head_dim):
+    """Groups of 4 and 5 query heads (the AVX2 path's tiles of at most 3 heads, then the rest) and widths that
+    are not a multiple of 32 (its 8-wide tail) or are wide (128)."""
+    g = torch.Generator().manual_seed(head_dim)
+    seq_lens = [1, 2, 3, 4, 5, 31, 67]
+    kv, table, keys, values = write_requests(seq_lens, 64, 8, num_kv_heads, head_dim, dtype, g)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(query, kv[0], kv[1], table, seq_lens, list(range(len(seq_lens) + 1)), scale, CPU_KERNELS)
+    for i in range(len(seq_lens)):
+        expected = dense_causal_attention(query[i:i + 1], keys[i], values[i], scale)
+        torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("kernel", DECODE_PATHS)
 @pytest.mark.parametrize("num_requests", [5, 40])  # one decode group, and several (sorted by length)
 def test_pure_decode_batches_keep_token_order(num_requests, kernel):

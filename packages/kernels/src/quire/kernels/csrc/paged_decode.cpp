@@ -118,6 +118,94 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define QUIRE_AVX2_DECODE 1
+// AVX2 tiles for decode_heads (head_dim a multiple of 8): scores for up to 3 query heads of one KV head and 4
+// tokens at a time (12 accumulators; each key vector loaded once for the heads that share it, four dot
+// products summed across lanes together), then the weighted values for up to 3 heads and 32 of head_dim per
+// pass over the tokens, held in registers instead of read and written back for every token.
+namespace avx2 {
+
+constexpr int kHeads = 3, kTokens = 4, kWidth = 32;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// the lane sums of a, b, c and d
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// scores[r][j] = (q_r . key_j) * scale for R query heads (rows head_dim apart) and `count` <= 4 keys
+template <typename T, int R>
+inline void score_tokens(const float* q, const T* const keys[kTokens], int64_t head_dim, float scale, int count,
+                         float* scores, int64_t length) {
+  __m256 acc[R][kTokens];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kTokens; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    __m256 k[kTokens];
+    for (int j = 0; j < kTokens; ++j) k[j] = load8(keys[j] + d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * head_dim + d);
+      for (int j = 0; j < kTokens; ++j) acc[r][j] = _mm256_fmadd_ps(qv, k[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float four[kTokens];
+    _mm_store_ps(four, _mm_mul_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(scale)));
+    for (int j = 0; j < count; ++j) scores[r * length + j] = four[j];
+  }
+}
+
+// out[r][0 : 8V] = sum over tokens t of weights[r][t] * values[t][0 : 8V], for R query heads
+template <typename T, int R, int V>
+inline void weigh_values(const float* weights, int64_t length, const T* const* values, int64_t offset,
+                         float* out, int64_t head_dim) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    if (t + 8 < length) __builtin_prefetch(values[t + 8] + offset, 0, 1);
+    __m256 v[V];
+    for (int c = 0; c < V; ++c) v[c] = load8(values[t] + offset + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 p = _mm256_broadcast_ss(weights + r * length + t);
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm256_fmadd_ps(p, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) _mm256_storeu_ps(out + r * head_dim + 8 * c, acc[r][c]);
+}
+
+template <typename T, int R>
+void heads_of_kv(const float* q, const T* const* key_rows, const T* const* value_rows, int64_t length, int64_t kv,
+                 int64_t head_dim, float scale, float* scores, float* totals, float* accumulator) {
+  const int64_t offset = kv * head_dim;
+  for (int64_t t = 0; t < length; t += kTokens) {
+    const int count = static_cast<int>(std::min<int64_t>(kTokens, length - t));
+    const T* keys[kTokens];
+    for (int j = 0; j < kTokens; ++j) keys[j] = key_rows[t + (j < count ? j : 0)] + offset;
+    if (t + 2 * kTokens < length)
+      for (int j = 0; j < kTokens && t + 2 * kTokens + j < length; ++j)
+        prefetch_row(key_rows[t + 2 * kTokens + j] + offset, head_dim * sizeof(T));
+    score_tokens<T, R>(q, keys, head_dim, scale, count, scores + t, length);
+  }
+  for (int r = 0; r < R; ++r) totals[r] = softmax_weights<T>(scores + r * length, length);
+  int64_t d0 = 0;
+  for (; d0 + kWidth <= head_dim; d0 += kWidth)
+    weigh_values<T, R, kWidth / 8>(scores, length, value_rows, offset + d0, accumulator + d0, head_dim);
+  for (; d0 < head_dim; d0 += 8)
+    weigh_values<T, R, 1>(scores, length, value_rows, offset + d0, accumulator + d0, head_dim);
+}
+
+}  // namespace avx2
+#endif
+
 // One request's KV heads [first_kv, last_kv) with the `group` query heads of each (`query`: those rows,
 // float32, [rows, head_dim]); `out` gets their float32 outputs. Noinline: the kernel-by-kernel path below and
 // the decoder stack's one-region path (decode_stack.cpp) compute with the same machine code, so the same bits.
@@ -134,6 +222,40 @@ __attribute__((noinline)) void decode_heads(const float* q_base, const T* key_ca
   query_f.assign(q_base, q_base + rows * head_dim);
   scores.resize(rows * length);
   totals.assign(rows, 0.f);
+#ifdef QUIRE_AVX2_DECODE
+  if (head_dim % 8 == 0) {
+    thread_local std::vector<const T*> key_rows, value_rows;  // each token's cache row (all KV heads)
+    key_rows.resize(length);
+    value_rows.resize(length);
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t at = blocks[t / block_size] * block_stride + (t % block_size) * token_stride;
+      key_rows[t] = key_cache + at;
+      value_rows[t] = value_cache + at;
+    }
+    accumulator.resize(rows * head_dim);
+    for (int64_t kv = first_kv; kv < last_kv; ++kv) {
+      for (int64_t r0 = 0; r0 < group; r0 += avx2::kHeads) {
+        const int64_t r = (kv - first_kv) * group + r0;  // this tile's first row
+        const float* q = &query_f[r * head_dim];
+        float* s = &scores[r * length];
+        float* acc = &accumulator[r * head_dim];
+        switch (std::min<int64_t>(avx2::kHeads, group - r0)) {
+          case 1: avx2::heads_of_kv<T, 1>(q, key_rows.data(), value_rows.data(), length, kv, head_dim, scale, s,
+                                          &totals[r], acc); break;
+          case 2: avx2::heads_of_kv<T, 2>(q, key_rows.data(), value_rows.data(), length, kv, head_dim, scale, s,
+                                          &totals[r], acc); break;
+          default: avx2::heads_of_kv<T, 3>(q, key_rows.data(), value_rows.data(), length, kv, head_dim, scale, s,
+                                           &totals[r], acc);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.f / totals[r];
+      for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = accumulator[r * head_dim + d] * inverse;
+    }
+    return;
+  }
+#endif
   // pass 1: scores, block by block, reading each token's row once for all heads handled here
   for (int64_t t0 = 0; t0 < length; t0 += block_size) {
     const T* block = key_cache + blocks[t0 / block_size] * block_stride;
