@@ -7,7 +7,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of whole prompts (rows start..end of each range) over their own keys, into out (AMX)",
+        "causal attention of whole prompts (rows start..end of each range) over their own keys, into out (AMX or AVX2)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("ranges"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_available", &prefill_attention_available,

@@ -10,7 +10,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 // Causal attention of whole prompts over their own keys (prefill_attention.cpp): query/out [T, Hq, D], key/value
 // [T, Hk, D], bfloat16; each (start, end) row of `ranges` is one prompt, written to those rows of out (the rest
-// untouched). Available where the build has AMX BF16, the OS grants the tiles, and D is a multiple of 32 (<= 256).
+// untouched). Runs on AMX tiles where the build has AMX BF16, the OS grants the tiles and D is a multiple of 32,
+// else on AVX2 FMA where D is a multiple of 16; D <= 256 either way.
 bool prefill_attention_available(int64_t head_dim);
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
                        torch::Tensor out);
@@ -73,7 +74,7 @@ struct AttentionScratch {
   std::vector<float> probs, totals;
 };
 bool paged_decode_item_available(int64_t head_dim);
-// paged_decode's portable path for one request's KV heads [first_kv, last_kv) of a bfloat16 cache: `query` holds
+// paged_decode's general path (AVX2 tiles, or portable code) for one request's KV heads [first_kv, last_kv) of a bfloat16 cache: `query` holds
 // their query heads' rows in float32 ([(last_kv - first_kv) * group, head_dim]), `out` gets theirs in float32.
 void paged_decode_heads_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
                              const int64_t* blocks, int64_t length, int64_t first_kv, int64_t last_kv, int64_t group,
