@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -29,6 +29,14 @@ inline uint16_t float_to_bf16(float v) {
 // Sixteen bfloat16 (bits) to float32, exactly.
 inline __m512 bf16_to_float(__m256i bf16_bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits), 16));
+}
+#endif
+
+#if defined(__AVX2__)
+// Eight bfloat16 (bits, unaligned) to float32, exactly.
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 #endif
 

@@ -26,10 +26,7 @@ using quire::bf16_to_float;
 using quire::float_to_bf16;
 
 #ifdef QUIRE_AVX2
-inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using quire::load_bf16x8;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -129,10 +129,7 @@ namespace avx2 {
 constexpr int kHeads = 3, kTokens = 4, kWidth = 32;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+inline __m256 load8(const uint16_t* p) { return quire::load_bf16x8(p); }
 
 // the lane sums of a, b, c and d
 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {

@@ -297,10 +297,7 @@ inline __m256 round_to_bf16(__m256 x) {
   return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-inline __m256 load_bf16x8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using quire::load_bf16x8;
 
 // r[j] = column j of the 8 x 8 matrix whose rows r held
 inline void transpose8(__m256 r[8]) {
@@ -524,7 +521,7 @@ void attend_avx2(const Call& call) {
                            std::min<int64_t>(8, end - t), D, kdst + t * D);
     for (int64_t t = k0; t < end; ++t) {
       const uint16_t* vrow = call.value + (prompt.start + t) * call.v_stride + g * D;
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vdst + t * D + d, avx2::load_bf16x8(vrow + d));
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vdst + t * D + d, quire::load_bf16x8(vrow + d));
     }
   });
   const auto work = work_items(call, avx2::kRows);
