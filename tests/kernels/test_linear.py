@@ -17,7 +17,8 @@ def reference(x, weight, bias):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 64, 67, 128, 300])  # >= 128: float32 GEMM on a panel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 64, 67, 128, 300, 600])  # >= 128: float32 GEMM on a panel
+# (600: two blocks of rows, the second short)
 @pytest.mark.parametrize("out_features,in_features", [(48, 64), (49, 70), (50, 8), (7, 3)])
 def test_linear_bf16_kernel_equals_float32_accumulation(rows, out_features, in_features):
     torch.manual_seed(rows * 1000 + out_features)
@@ -40,7 +41,7 @@ def test_linear_bf16_kernel_equals_float32_accumulation(rows, out_features, in_f
 
 @needs_kernels
 def test_linear_bf16_gemm_over_runs_of_outputs():
-    """Many rows of a wide input: the float32 GEMM path takes the outputs in runs of 128 (2,100: 16 runs and a
+    """Many rows of a wide input: the float32 GEMM path takes the outputs in runs of 256 (2,100: 8 runs and a
     short one), each written to its own columns."""
     torch.manual_seed(7)
     x = torch.randn(256, 4096).to(torch.bfloat16)

@@ -34,7 +34,8 @@ def assert_same_bits(results):
             assert torch.equal(a, b), f"{threads} threads differ from one"
 
 
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 1000, 96), (37, 601, 64), (130, 97, 40), (129, 1, 33)])
+@pytest.mark.parametrize("rows,out_features,in_features",
+                         [(1, 1000, 96), (37, 601, 64), (130, 97, 40), (129, 1, 33), (1030, 97, 40)])
 def test_linear_is_the_same_on_any_thread_count(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)

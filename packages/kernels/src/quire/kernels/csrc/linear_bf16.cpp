@@ -179,33 +179,42 @@ void linear_row(const float* x, const uint16_t* w, const float* bias, Out* y, in
 // 0.23-0.25 s against 0.29 s, while at 64 rows the tiles are still ahead (0.165 s against 0.176). Runs of 128
 // outputs rather than 64 halve how often the GEMM packs x: 512 rows 0.74-0.75 -> 0.68-0.69 s, 2,048 rows
 // 2.9-3.0 -> 2.7-2.85 s (quiet hour, 180 GFLOP/s float32 matmul); runs sized to split a 576-wide layer evenly
-// were slower.
+// were slower. Each run's GEMM still packs all of its rows of x, so a long prompt is also cut into blocks of
+// kRowBlock rows and the runs are widened to 256 outputs: one thread's GEMM of 2,048 x 576 by 576 x 128 ran at
+// 75 GFLOP/s against 92 for 512 x 576 by 576 x 256 (widening the same weight rows once per block costs ~3% of a
+// run), and the four SmolLM2 layer shapes went from 154-157 to 162-165 GFLOP/s at 2,048 rows and from 159-163
+// to 167-172 at 1,024 (quiet minutes, interleaved builds). A run is a (row block, output block) pair whose
+// sizes depend only on M and N, so the results still do not depend on the threads.
 constexpr int64_t kGemmRows = 128;
-constexpr int64_t kColumns = 128;
+constexpr int64_t kColumns = 256;
+constexpr int64_t kRowBlock = 512;
 
 template <typename Out>
 void linear_gemm(const torch::Tensor& xf, const uint16_t* w, const float* bias, Out* y, int64_t M, int64_t K,
                  int64_t N) {
   // At least two runs: one run would be computed outside any parallel region, where ATen's GEMM threads
   // itself and its bits then follow the thread count (linear_any sends a single output to the tiles).
-  const int64_t columns = N > kColumns ? kColumns : (N + 1) / 2, runs = (N + columns - 1) / columns;
-  quire::parallel_chunks(0, runs, 1, [&](int64_t begin, int64_t end) {
+  const int64_t columns = N > kColumns ? kColumns : (N + 1) / 2, column_runs = (N + columns - 1) / columns;
+  const int64_t row_runs = (M + kRowBlock - 1) / kRowBlock;
+  quire::parallel_chunks(0, row_runs * column_runs, 1, [&](int64_t begin, int64_t end) {
     // plain memory, wrapped anew in each call: a tensor kept across calls would carry the inference mode of
     // the call that made it, and writing into an inference tensor outside that mode is refused
     thread_local std::vector<float> panel, product;
     panel.resize(std::max<size_t>(panel.size(), kColumns * K));
-    product.resize(std::max<size_t>(product.size(), M * kColumns));
+    product.resize(std::max<size_t>(product.size(), std::min(M, kRowBlock) * kColumns));
     for (int64_t run = begin; run < end; ++run) {
-      const int64_t n0 = run * columns, cols = std::min(columns, N - n0);
+      const int64_t n0 = (run / row_runs) * columns, cols = std::min(columns, N - n0);
+      const int64_t m0 = (run % row_runs) * kRowBlock, rows = std::min(kRowBlock, M - m0);
       float* wf = panel.data();
       const uint16_t* src = w + n0 * K;
 #pragma omp simd
       for (int64_t i = 0; i < cols * K; ++i) wf[i] = bf16_to_float(src[i]);
-      auto out = torch::from_blob(product.data(), {M, cols}, xf.options());
-      at::mm_out(out, xf, torch::from_blob(wf, {cols, K}, xf.options()).t());
+      auto out = torch::from_blob(product.data(), {rows, cols}, xf.options());
+      at::mm_out(out, xf.narrow(0, m0, rows), torch::from_blob(wf, {cols, K}, xf.options()).t());
       const float* o = product.data();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < cols; ++j) store<Out>(y + m * N + n0 + j, o[m * cols + j] + (bias ? bias[n0 + j] : 0.f));
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < cols; ++j)
+          store<Out>(y + (m0 + m) * N + n0 + j, o[m * cols + j] + (bias ? bias[n0 + j] : 0.f));
     }
   });
 }
