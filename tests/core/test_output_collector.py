@@ -48,3 +48,47 @@ def test_an_error_wins_and_wakes_the_consumer():
             await collector.get()
 
     asyncio.run(main())
+
+
+class _Engine:
+    """What a ``RequestStream`` needs of its engine."""
+
+    def __init__(self):
+        self.collectors, self.aborted = {}, []
+
+    def _abort_now(self, request_ids):
+        self.aborted += request_ids
+
+
+def test_a_sink_takes_outputs_only_while_the_reader_waits_and_never_the_final_one():
+    from quire.core.engine.output_collector import RequestStream
+
+    async def main():
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        stream = RequestStream(_Engine(), "r", collector, [1], None)
+        taken = []
+
+        def sink(item):
+            taken.append(item.outputs[0].text)
+            return item.outputs[0].text != "declined"
+
+        stream.set_sink(sink)
+        collector.put(output("early", [1]))  # nobody waits yet: queued for the reader
+        assert taken == [] and (await anext(stream)).outputs[0].text == "early"
+        reader = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0)  # the reader now waits
+        collector.put(output("a", [2]))
+        collector.put(output("b", [3]))
+        assert taken == ["a", "b"] and not reader.done()
+        collector.put(output("declined", [4]))  # the sink says no: the reader gets it
+        collector.put(output("c", [5]))  # queued behind it (merged), not offered
+        assert taken == ["a", "b", "declined"]
+        assert (await reader).outputs[0].text == "declinedc"
+        reader = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0)
+        collector.put(output("end", [6], finished=True))  # the final output always goes to the reader
+        assert taken == ["a", "b", "declined"] and (await reader).finished
+        stream.set_sink(None)
+        assert collector.sink is None
+
+    asyncio.run(main())

@@ -123,3 +123,101 @@ def test_a_client_that_leaves_stops_the_event_stream_and_closes_its_generator():
     sent, outer_sent, closed, cancelling = _run_event_stream([b"x"] * 100, client_leaves=True)
     assert len(outer_sent) < 10 and all(m["more_body"] for m in outer_sent)
     assert closed == [True] and cancelling == 0  # the disconnect's cancellation does not leak out
+
+
+def _direct_event_stream(gate_first_direct_write: bool = False, fail_on: str | None = None):
+    """An ``EventStream`` over a real ``RequestStream``: returns the collector to put outputs into, the bodies
+    written so far, the response's task and the gate that holds the first direct write (back-pressure)."""
+    from quire.core.engine.output_collector import RequestOutputCollector, RequestStream
+    from quire.core.outputs import CompletionOutput, RequestOutput
+    from quire.core.sampling_params import RequestOutputKind
+
+    class Engine:
+        collectors: dict = {}
+
+        def _abort_now(self, request_ids):
+            pass
+
+    collector = RequestOutputCollector(RequestOutputKind.DELTA)
+    stream = RequestStream(Engine(), "r", collector, [1], None)
+    written: list[bytes] = []
+    gate = asyncio.get_running_loop().create_future()
+
+    def events_of(out: RequestOutput) -> bytes:
+        if out.outputs[0].text == fail_on:
+            raise ValueError("cannot encode this one")
+        return out.outputs[0].text.encode()
+
+    async def events():
+        try:
+            async for out in stream:
+                yield events_of(out)
+        except ValueError:
+            yield b"error"
+        yield b"end"
+
+    direct_writes = []
+
+    async def outer_send(message):
+        if message["body"] and gate_first_direct_write and not direct_writes and not gate.done():
+            direct_writes.append(message["body"])
+            await gate  # the server waits for the client to read
+        written.append(message["body"])
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def send(message):
+        pass
+
+    response = EventStream(events(), (stream, events_of))
+    task = asyncio.ensure_future(response({"type": "http", OUTER_SEND: outer_send}, receive, send))
+
+    def put(text: str, finished: bool = False):
+        collector.put(RequestOutput("r", None, [1], [CompletionOutput(0, text, [7], "length" if finished else None)],
+                                    finished))
+
+    return put, written, task, gate
+
+
+def test_tokens_are_written_from_the_output_handler_in_order_and_the_final_one_by_the_pump():
+    async def run():
+        put, written, task, _ = _direct_event_stream()
+        await asyncio.sleep(0.01)  # the pump waits on the stream
+        put("a")
+        assert written == [b"a"]  # written at once, no task woken
+        put("b")
+        put("c", finished=True)
+        await asyncio.wait_for(task, 5)
+        return written
+
+    assert asyncio.run(run()) == [b"a", b"b", b"c", b"end", b""]
+
+
+def test_a_direct_write_held_by_back_pressure_keeps_later_events_behind_it():
+    async def run():
+        put, written, task, gate = _direct_event_stream(gate_first_direct_write=True)
+        await asyncio.sleep(0.01)
+        put("a")  # held: the client is not reading
+        put("b")  # the sink declines while "a" waits: queued for the pump
+        await asyncio.sleep(0.01)
+        assert written == []  # the pump waits for "a" before it writes "b"
+        gate.set_result(None)
+        await asyncio.sleep(0.01)
+        put("c", finished=True)
+        await asyncio.wait_for(task, 5)
+        return written
+
+    assert asyncio.run(run()) == [b"a", b"b", b"c", b"end", b""]
+
+
+def test_an_output_the_direct_lane_cannot_encode_goes_to_the_pump_which_reports_it():
+    async def run():
+        put, written, task, _ = _direct_event_stream(fail_on="bad")
+        await asyncio.sleep(0.01)
+        put("a")
+        put("bad")
+        await asyncio.wait_for(task, 5)
+        return written
+
+    assert asyncio.run(run()) == [b"a", b"error", b"end", b""]

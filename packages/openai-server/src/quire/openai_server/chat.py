@@ -9,6 +9,7 @@ import msgspec
 from fastapi import Request
 
 from quire.core.errors import ValidationError
+from quire.core.outputs import RequestOutput
 from quire.core.parsers.output import OutputParser, ParsedDelta
 from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.parsers.tool_calls import get_tool_parser_class
@@ -63,7 +64,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     num_prompt_tokens = len(stream.prompt_token_ids)
     parsers = OutputParsers(settings, tools)
     if body.stream:
-        return EventStream(_stream(state, body, rid, stream, num_prompt_tokens, parsers))
+        events = _ChatEvents(state, body, rid, num_prompt_tokens, parsers)
+        return EventStream(_stream(events, stream), (stream, events.of))
     output = await until_disconnect(request, _final(stream))
     if output is None:
         return None
@@ -182,60 +184,80 @@ async def _final(stream):
     return final
 
 
-async def _stream(state, body, rid, stream, num_prompt_tokens, parsers: OutputParsers):
-    created = int(time.time())
-    output_parsers: dict[int, OutputParser] = {}
-    called: set[int] = set()
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous = include_usage and body.stream_options.continuous_usage_stats
-    started: set[int] = set()
-    completion_tokens = 0
+class _ChatEvents:
+    """The server-sent events of one streamed chat completion, computed output by output and synchronously:
+    the response's pump and its direct writes (``EventStream``) share this state."""
 
-    writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name)
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, num_prompt_tokens: int,
+                 parsers: OutputParsers):
+        self.body = body
+        self.parsers = parsers
+        self.num_prompt_tokens = num_prompt_tokens
+        self.writer = ChunkWriter(rid, "chat.completion.chunk", int(time.time()), state.model_name)
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.continuous = self.include_usage and body.stream_options.continuous_usage_stats
+        self.output_parsers: dict[int, OutputParser] = {}
+        self.called: set[int] = set()
+        self.started: set[int] = set()
+        self.completion_tokens = 0
 
-    def chunk(choices, usage_tokens=None, exact_floats=False):
+    def _chunk(self, choices, usage_tokens=None, exact_floats=False) -> bytes:
         usage = None if usage_tokens is None else {
-            "prompt_tokens": num_prompt_tokens, "completion_tokens": usage_tokens,
-            "total_tokens": num_prompt_tokens + usage_tokens}
-        return writer.chunk(choices, usage, exact_floats)
+            "prompt_tokens": self.num_prompt_tokens, "completion_tokens": usage_tokens,
+            "total_tokens": self.num_prompt_tokens + usage_tokens}
+        return self.writer.chunk(choices, usage, exact_floats)
 
+    def of(self, output: RequestOutput) -> bytes:
+        """The events of one output (empty when it carries nothing to send)."""
+        body, parsers, continuous = self.body, self.parsers, self.continuous
+        events = b""
+        for completion in output.outputs:
+            if completion.index not in self.started:
+                self.started.add(completion.index)
+                events += self._chunk([{"index": completion.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}],
+                                      self.completion_tokens if continuous else None)
+            self.completion_tokens += len(completion.token_ids)
+            if not completion.text and not completion.token_ids and completion.finish_reason is None:
+                continue
+            finish_reason = completion.finish_reason
+            if parsers.enabled:
+                parser = self.output_parsers.get(completion.index) or self.output_parsers.setdefault(
+                    completion.index, parsers.new())
+                delta = _delta_message(parser, completion.text, finish_reason is not None)
+                if delta.get("tool_calls"):
+                    self.called.add(completion.index)
+                if not delta and finish_reason is None and not (body.logprobs and completion.logprobs):
+                    continue
+                finish_reason = _finish_reason(finish_reason, completion.index in self.called)
+            elif (finish_reason is None and completion.stop_reason is None and completion.text
+                  and not continuous and not (body.logprobs and completion.logprobs is not None)):
+                events += self.writer.text(completion.index, completion.text)  # the usual streamed token
+                continue
+            else:
+                delta = {"content": completion.text} if completion.text else {}
+            choice = {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if completion.stop_reason is not None:
+                choice["stop_reason"] = completion.stop_reason
+            exact_floats = bool(body.logprobs) and completion.logprobs is not None
+            if exact_floats:
+                choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs,
+                                                   body.top_logprobs or 0).model_dump()
+            events += self._chunk([choice], self.completion_tokens if continuous else None, exact_floats)
+        return events
+
+    def end(self) -> bytes:
+        """The usage event, when the request asked for it."""
+        return self._chunk([], self.completion_tokens) if self.include_usage else b""
+
+
+async def _stream(events: _ChatEvents, stream):
     try:
         async for output in stream:
-            for completion in output.outputs:
-                if completion.index not in started:
-                    started.add(completion.index)
-                    yield chunk([{"index": completion.index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}],
-                                completion_tokens if continuous else None)
-                completion_tokens += len(completion.token_ids)
-                if not completion.text and not completion.token_ids and completion.finish_reason is None:
-                    continue
-                finish_reason = completion.finish_reason
-                if parsers.enabled:
-                    parser = output_parsers.get(completion.index) or output_parsers.setdefault(
-                        completion.index, parsers.new())
-                    delta = _delta_message(parser, completion.text, finish_reason is not None)
-                    if delta.get("tool_calls"):
-                        called.add(completion.index)
-                    if not delta and finish_reason is None and not (body.logprobs and completion.logprobs):
-                        continue
-                    finish_reason = _finish_reason(finish_reason, completion.index in called)
-                elif (finish_reason is None and completion.stop_reason is None and completion.text
-                      and not continuous and not (body.logprobs and completion.logprobs is not None)):
-                    yield writer.text(completion.index, completion.text)  # the usual streamed token
-                    continue
-                else:
-                    delta = {"content": completion.text} if completion.text else {}
-                choice = {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-                if completion.stop_reason is not None:
-                    choice["stop_reason"] = completion.stop_reason
-                exact_floats = bool(body.logprobs) and completion.logprobs is not None
-                if exact_floats:
-                    choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs,
-                                                       body.top_logprobs or 0).model_dump()
-                yield chunk([choice], completion_tokens if continuous else None, exact_floats)
-        if include_usage:
-            yield chunk([], completion_tokens)
+            if data := events.of(output):
+                yield data
+        if data := events.end():
+            yield data
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream

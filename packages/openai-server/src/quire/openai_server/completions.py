@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from fastapi import Request
@@ -65,7 +66,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     prompt_texts = [_prompt_text(engine, stream) for stream in streams] if body.echo else [""] * len(streams)
     counts = [len(stream.prompt_token_ids) for stream in streams]
     if body.stream:
-        return EventStream(_stream(state, body, base_id, streams, prompt_texts, counts))
+        events = _CompletionEvents(state, body, base_id, prompt_texts, counts)
+        direct = (streams[0], functools.partial(events.of, 0)) if len(streams) == 1 else None
+        return EventStream(_stream(events, streams), direct)
     outputs = await until_disconnect(request, _collect(streams))
     if outputs is None:
         return None  # the client is gone
@@ -122,13 +125,59 @@ def _response(state, body, base_id, outputs, prompt_texts, counts) -> Completion
     return CompletionResponse(id=base_id, model=state.model_name, choices=choices, usage=usage(counts, outputs))
 
 
-async def _stream(state, body, base_id, streams, prompt_texts, counts):
-    writer = ChunkWriter(base_id, "text_completion", int(time.time()), state.model_name)
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    continuous = include_usage and body.stream_options.continuous_usage_stats
-    with_logprobs = body.logprobs is not None
-    echoed: set[int] = set()
-    completion_tokens = 0
+class _CompletionEvents:
+    """The server-sent events of one streamed completion response, computed output by output and
+    synchronously: the response's pump and its direct writes (``EventStream``) share this state."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, base_id: str, prompt_texts: list[str],
+                 counts: list[int]):
+        self.writer = ChunkWriter(base_id, "text_completion", int(time.time()), state.model_name)
+        self.renderer = state.engine.renderer
+        self.body = body
+        self.prompt_texts = prompt_texts
+        self.num_prompt_tokens = sum(counts)
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
+        self.continuous = self.include_usage and body.stream_options.continuous_usage_stats
+        self.with_logprobs = body.logprobs is not None
+        self.echoed: set[int] = set()
+        self.completion_tokens = 0
+
+    def of(self, prompt_index: int, output: RequestOutput) -> bytes:
+        """The events of one output of prompt ``prompt_index`` (empty when it carries nothing to send)."""
+        body, writer = self.body, self.writer
+        events = b""
+        for completion in output.outputs:
+            index = prompt_index * body.n + completion.index
+            text = completion.text
+            if body.echo and index not in self.echoed:
+                self.echoed.add(index)
+                text = self.prompt_texts[prompt_index] + text
+            self.completion_tokens += len(completion.token_ids)
+            if completion.finish_reason is None and not (self.continuous or self.with_logprobs):
+                if text or completion.token_ids:
+                    events += writer.text(index, text)  # the usual streamed token
+                continue
+            if not text and not completion.token_ids and completion.finish_reason is None:
+                continue
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            exact_floats = self.with_logprobs and completion.logprobs is not None
+            if exact_floats:
+                choice["logprobs"] = legacy_logprobs(completion.token_ids, completion.logprobs,
+                                                     self.renderer).model_dump()
+            events += writer.chunk([choice], self._usage() if self.continuous else None, exact_floats)
+        return events
+
+    def end(self) -> bytes:
+        """The usage event, when the request asked for it."""
+        return self.writer.chunk([], self._usage()) if self.include_usage else b""
+
+    def _usage(self) -> dict:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.num_prompt_tokens + self.completion_tokens}
+
+
+async def _stream(events: _CompletionEvents, streams):
     # One prompt (the usual case) is read straight from its stream: no merging generator in between,
     # which every streamed token would otherwise pass through.
     several = len(streams) > 1
@@ -136,29 +185,10 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
     try:
         async for item in source:
             prompt_index, output = item if several else (0, item)
-            for completion in output.outputs:
-                index = prompt_index * body.n + completion.index
-                text = completion.text
-                if body.echo and index not in echoed:
-                    echoed.add(index)
-                    text = prompt_texts[prompt_index] + text
-                completion_tokens += len(completion.token_ids)
-                if completion.finish_reason is None and not (continuous or with_logprobs):
-                    if text or completion.token_ids:
-                        yield writer.text(index, text)
-                    continue
-                if not text and not completion.token_ids and completion.finish_reason is None:
-                    continue
-                choice = {"index": index, "text": text, "logprobs": None,
-                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-                exact_floats = with_logprobs and completion.logprobs is not None
-                if exact_floats:
-                    choice["logprobs"] = legacy_logprobs(completion.token_ids, completion.logprobs,
-                                                         state.engine.renderer).model_dump()
-                yield writer.chunk([choice], _usage_dict(sum(counts), completion_tokens) if continuous else None,
-                                   exact_floats)
-        if include_usage:
-            yield writer.chunk([], _usage_dict(sum(counts), completion_tokens))
+            if data := events.of(prompt_index, output):
+                yield data
+        if data := events.end():
+            yield data
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream
@@ -166,8 +196,3 @@ async def _stream(state, body, base_id, streams, prompt_texts, counts):
     finally:
         await source.aclose()  # a client gone mid-stream: closing the stream aborts its request
     yield SSE_DONE
-
-
-def _usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import msgspec
 from fastapi import Request, Response
@@ -316,22 +318,34 @@ class EventStream(Response):
     the events go to the ``send`` the application received from the server (``OUTER_SEND``): the
     middlewares in between pass body messages through untouched, and a streamed token would otherwise
     cross each.
+    ``direct``: the response's output stream, when it has just one, with the function that turns one of its
+    outputs into events (bytes, empty for none: the function ``events`` applies, on the same state). While
+    ``events`` waits on the stream, the engine's output handler hands the stream's outputs to that function
+    and the events are written there and then (``OutputStream.set_sink``): a streamed token wakes no task
+    of the response's. The final output, and any output the function fails on, reach ``events`` as usual,
+    in order. (With several streams a merging queue sits between them and ``events``, and outputs written
+    directly could overtake queued ones.)
     A client that disconnects cancels the stream, whose generator then aborts its requests.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes]):
+    def __init__(self, events: AsyncIterator[bytes],
+                 direct: tuple[Any, Callable[[RequestOutput], bytes]] | None = None):
         self.events = events
+        self.direct = direct
         self.status_code = 200
         self.background = None
         self.init_headers(None)
+        self._writing: asyncio.Future | None = None  # a direct write held up by the server's back-pressure
+        self._send_failed = False
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        send_event = scope.get(OUTER_SEND, send)
         # The events are written from a task of their own: a token's wake-up then resumes the few frames
         # of that task, not the ~20 of the route, middleware and server chain this coroutine runs under.
-        pump = asyncio.ensure_future(self._pump(scope.get(OUTER_SEND, send)))
+        pump = asyncio.ensure_future(self._pump(send_event))
         gone = False
 
         async def watch() -> None:
@@ -342,25 +356,88 @@ class EventStream(Response):
             pump.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        stream = None
+        if self.direct is not None and hasattr(self.direct[0], "set_sink"):
+            stream, encode = self.direct
+            stream.set_sink(functools.partial(self._write_now, send_event, encode, pump))
         try:
             await pump  # cancelling this task cancels the pump too
         except asyncio.CancelledError:
-            if not gone or not pump.cancelled():
+            if not (gone or self._send_failed) or not pump.cancelled():
                 raise
             # the client left: nothing more to send, nothing to report
         finally:
+            if stream is not None:
+                stream.set_sink(None)
             watcher.cancel()
             if not pump.done():
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
+            if self._writing is not None and not self._writing.done():
+                self._writing.cancel()
+
+    def _write_now(self, send_event, encode, pump: asyncio.Future, output: RequestOutput) -> bool:
+        """The sink: write ``output``'s event without waiting, or return False to leave it to the pump."""
+        writing = self._writing
+        if writing is not None:
+            if not writing.done() or writing.cancelled() or writing.exception() is not None:
+                return False  # an earlier event waits for the client to read (keep the order), or failed
+            self._writing = None
+        if self._send_failed:
+            return False
+        try:
+            body = encode(output)
+        except Exception:  # noqa: BLE001 - left to the pump, whose generator reports the error in the stream
+            return False
+        if not body:
+            return True  # nothing to write (no new text)
+        sending = send_event({"type": "http.response.body", "body": body, "more_body": True})
+        try:
+            waiting_on = sending.send(None)
+        except StopIteration:
+            return True
+        except Exception:  # noqa: BLE001 - the connection failed: end the response as if the client left
+            self._send_failed = True
+            pump.cancel()
+            return True
+        # the server holds the write until the client reads: finish it in a task of its own
+        self._writing = asyncio.ensure_future(_resume(sending, waiting_on))
+        return True
 
     async def _pump(self, send_event) -> None:
         try:
             async for event in self.events:
+                if self._writing is not None:
+                    await self._writing
                 await send_event({"type": "http.response.body", "body": event, "more_body": True})
+            if self._writing is not None:
+                await self._writing
             await send_event({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()
+
+
+async def _resume(coroutine, waiting_on) -> None:
+    """Run a coroutine that was started by hand (``coroutine.send(None)``) and is waiting on
+    ``waiting_on`` (what it yielded: an asyncio future, or None to let others run) to its end, as a task
+    would."""
+    while True:
+        try:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            else:
+                waiting_on._asyncio_future_blocking = False  # taken, as a task takes what it is handed
+                await waiting_on
+        except BaseException as error:  # noqa: BLE001 - the coroutine gets it, as under a task
+            try:
+                waiting_on = coroutine.throw(error)
+            except StopIteration:
+                return
+        else:
+            try:
+                waiting_on = coroutine.send(None)
+            except StopIteration:
+                return
 
 
 _JSON = msgspec.json.Encoder()

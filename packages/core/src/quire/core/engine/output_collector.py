@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from quire.core.errors import EngineGenerateError, QueueTimeoutError, RequestTimeoutError
@@ -31,9 +32,15 @@ class RequestOutputCollector:
         # running loop on every wait, which costs a getpid() system call per streamed token on Python 3.11.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
+        # A consumer's synchronous hand-off (``RequestStream.set_sink``): offered each output while the
+        # consumer waits with nothing pending; True means it was delivered there and then.
+        self.sink: Callable[[RequestOutput], bool] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         pending = self._pending
+        if (pending is None and self.sink is not None and self._waiter is not None and not self._waiter.done()
+                and isinstance(item, RequestOutput) and not item.finished and self.sink(item)):
+            return
         if (isinstance(item, RequestOutput) and isinstance(pending, RequestOutput)
                 and self.output_kind == RequestOutputKind.DELTA):
             self._pending = merge_deltas(pending, item)
@@ -90,6 +97,14 @@ class RequestStream:
 
     def __aiter__(self) -> RequestStream:
         return self
+
+    def set_sink(self, sink: Callable[[RequestOutput], bool] | None) -> None:
+        """Deliver outputs synchronously, from the engine's output handler, to ``sink`` whenever this stream's
+        reader is waiting and nothing is queued ahead of them: the output is the sink's when it returns True,
+        and is queued for the reader as usual when it returns False. The final output is never offered:
+        the reader always gets it, and anything the sink declines, in order. A streaming server writes its plain text
+        deltas this way, without waking the reader's task for every token. None removes the sink."""
+        self._collector.sink = sink
 
     async def __anext__(self) -> RequestOutput:
         if self._finished:

@@ -34,7 +34,8 @@ class StatLogger(Protocol):
 class OutputStream(Protocol):
     """One request's outputs, from ``EngineClient.add_request``: iterate until the final output;
     ``aclose()`` (or cancelling the iteration) before then aborts the request. ``prompt_token_ids`` are
-    the tokens the engine runs (rendered, truncated); ``prompt`` their text (None for token-id prompts)."""
+    the tokens the engine runs (rendered, truncated); ``prompt`` their text (None for token-id prompts).
+    ``AsyncLLM``'s streams also offer ``set_sink`` (see ``RequestStream``), which a consumer may use when present."""
 
     prompt_token_ids: list[int]
     prompt: str | None
