@@ -1,18 +1,22 @@
-"""Plain greedy steps of a bfloat16 model on a oneDNN CPU take the screened LM head (``greedy_tokens``) and
-produce the same tokens as the full logits; other steps keep the logits."""
+"""Plain greedy steps of a bfloat16 model take the screened LM head (``greedy_tokens``: oneDNN with AVX-512
+VNNI, or linear_bf16 with AVX2) and produce the same tokens as the full logits; other steps keep the logits."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from quire.kernels import cpu_extension
+from quire.kernels import cpu_extension, greedy_head
 from quire.kernels import linear as linear_ops
 from quire.offline import LLM, SamplingParams
 
 KERNELS = cpu_extension.load()
+# the screen of this machine's bfloat16 path, if it has one (oneDNN's needs a layout onednn_gemv reads)
+SCREEN = (greedy_head.greedy_head(linear_ops.prepack(torch.randn(64, 64).bfloat16()))
+          if KERNELS is not None and linear_ops.bf16_path() != "torch" else None)
 pytestmark = pytest.mark.skipif(
-    linear_ops.bf16_path() != "onednn" or KERNELS is None or not KERNELS.greedy_head_supported(),
-    reason="the screened head needs oneDNN-packed weights and AVX-512 VNNI")
+    SCREEN is None, reason="the screened head needs oneDNN-packed weights onednn_gemv reads and AVX-512 VNNI, "
+                           "or linear_bf16 with AVX2")
 
 
 def token_ids(llm: LLM, prompts, **params):
@@ -25,7 +29,7 @@ def token_ids(llm: LLM, prompts, **params):
 def test_greedy_steps_take_the_screened_head_and_keep_their_tokens(tiny_checkpoint, corpus_token_ids, arch):
     llm = LLM(tiny_checkpoint(arch), dtype="bfloat16", max_model_len=256, max_num_seqs=8)
     model = llm.llm_engine.engine_core.engine_core.executor.model_runner.model
-    assert model.greedy_token_rows == 8
+    assert model.greedy_token_rows == SCREEN.max_rows
     calls = []
     screen = model.greedy_tokens
 

@@ -10,26 +10,40 @@ screens the vocabulary with it: each approximate logit comes with a bound on its
 kernel and bits as ``onednn_gemv``. The token is therefore exactly the full head's argmax (its first index on a
 tie). When the screen cannot decide cheaply (x not finite, too many candidates) it declines and the caller
 computes the full logits.
+
+On AVX2 CPUs without oneDNN's bfloat16 path the head is a ``KernelLinear`` (``csrc/linear_bf16.cpp``), and
+``greedy_head_tokens_bf16`` screens it the same way (int16 dot products with ``vpmaddwd``), for up to
+``KERNEL_MAX_ROWS`` rows (batched decode), recomputing the candidates with ``linear_bf16``'s own code for that
+number of rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quire.kernels.linear import OneDNNLinear
+from quire.kernels.linear import KernelLinear, OneDNNLinear
 
 MAX_ROWS = 8  # onednn_gemv's vdpbf16ps rows: the exact blocks are computed as it computes them
+KERNEL_MAX_ROWS = 64  # linear_bf16's tile rows (from 128 rows it runs a float32 GEMM)
 _ROWS_PER_PIECE = 4096  # quantized a piece at a time, to bound the float64 copies' memory
 
 
 class GreedyHead:
-    """``head(hidden)``: each row's greedy token (int64 ``[M]``) for up to ``MAX_ROWS`` rows, or None when the
-    screen declines. ``head`` is a prepacked LM head without bias on onednn_gemv's path."""
+    """``head(hidden)``: each row's greedy token (int64 ``[M]``) for up to ``max_rows`` rows, or None when the
+    screen declines. ``head`` is a prepacked LM head without bias: on onednn_gemv's path (``OneDNNLinear``) or
+    linear_bf16's (``KernelLinear``)."""
 
-    def __init__(self, head: OneDNNLinear, kernels):
-        self._head = head.packed
-        self._tokens = kernels.greedy_head_tokens
-        dense = head.packed.to_dense()
+    def __init__(self, head: OneDNNLinear | KernelLinear, kernels):
+        if isinstance(head, OneDNNLinear):
+            self._head = head.packed
+            self._tokens = kernels.greedy_head_tokens
+            self.max_rows = MAX_ROWS
+            dense = head.packed.to_dense()
+        else:
+            self._head = head.weight
+            self._tokens = kernels.greedy_head_tokens_bf16
+            self.max_rows = KERNEL_MAX_ROWS
+            dense = head.weight
         num_outputs = dense.shape[0]
         self.q = torch.empty(dense.shape, dtype=torch.int8)
         self.scale = torch.empty(num_outputs, dtype=torch.float32)
@@ -49,20 +63,26 @@ class GreedyHead:
             self.bound[2, rows] = largest
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if hidden.dim() != 2 or not 0 < hidden.shape[0] <= MAX_ROWS or hidden.dtype != torch.bfloat16:
+        if hidden.dim() != 2 or not 0 < hidden.shape[0] <= self.max_rows or hidden.dtype != torch.bfloat16:
             return None
         tokens = self._tokens(hidden, self._head, self.q, self.scale, self.bound)
         return tokens if tokens.numel() else None
 
 
 def greedy_head(packed) -> GreedyHead | None:
-    """A ``GreedyHead`` for a prepacked LM head, or None where the screen does not apply (not the oneDNN
-    path, a layout onednn_gemv cannot read, no AVX-512 VNNI in this build)."""
-    if not isinstance(packed, OneDNNLinear) or packed.gemv_rows < MAX_ROWS:
+    """A ``GreedyHead`` for a prepacked LM head, or None where the screen does not apply (neither the oneDNN
+    nor the kernel path, a layout onednn_gemv cannot read, no AVX-512 VNNI or AVX2 in this build)."""
+    if isinstance(packed, OneDNNLinear):
+        if packed.gemv_rows < MAX_ROWS:
+            return None
+        supported = "greedy_head_supported"
+    elif isinstance(packed, KernelLinear):
+        supported = "greedy_head_bf16_supported"
+    else:
         return None
     from quire.kernels import cpu_extension
 
     kernels = cpu_extension.load()
-    if kernels is None or not kernels.greedy_head_supported():
+    if kernels is None or not getattr(kernels, supported)():
         return None
     return GreedyHead(packed, kernels)

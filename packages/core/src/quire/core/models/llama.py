@@ -279,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
             head = self.lm_head.packed
         if self.group is None and head is not None:
             self._greedy_head = greedy_head.greedy_head(head)
-            self.greedy_token_rows = greedy_head.MAX_ROWS if self._greedy_head is not None else 0
+            self.greedy_token_rows = self._greedy_head.max_rows if self._greedy_head is not None else 0
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of ``compute_logits(hidden)`` (int64), or None where it declines (then compute the

@@ -39,4 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head_tokens", &greedy_head_tokens,
         "each row's argmax of x @ packed.T, screened with an int8 copy of the head (empty: declined)");
   m.def("linear_bf16_vectorized", &linear_bf16_vectorized, "whether linear_bf16 was built with AVX2 and FMA");
+  m.def("greedy_head_bf16_supported", &greedy_head_bf16_supported,
+        "whether greedy_head_tokens_bf16 exists in this build");
+  m.def("greedy_head_tokens_bf16", &greedy_head_tokens_bf16,
+        "each row's argmax of linear_bf16(x, weight), screened with an int8 copy of it (empty: declined)");
 }

@@ -22,6 +22,11 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool linear_bf16_vectorized();
+// The argmax of linear_bf16(x, weight) for up to 64 rows, screened with an int8 copy of the weight
+// (linear_bf16.cpp); empty where it declines.
+bool greedy_head_bf16_supported();
+torch::Tensor greedy_head_tokens_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor q, torch::Tensor scale,
+                                      torch::Tensor bound);
 // A few rows times a bfloat16 weight oneDNN has packed (onednn_gemv.cpp), for weights onednn_gemv_layout accepts.
 bool onednn_gemv_layout(torch::Tensor packed);
 int64_t onednn_gemv_max_rows();

@@ -11,6 +11,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
 #include "bf16.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -280,4 +285,207 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
     linear_any(xf, wp, bp, y.data_ptr<float>(), M, K, N);
   }
   return y;
+}
+
+// ---- greedy tokens from a bfloat16 head without computing every logit (the AVX2 path) ----
+//
+// The counterpart of greedy_head_tokens (onednn_gemv.cpp) for heads linear_bf16 computes: an int8 copy of the
+// head (one scale per output, made in Python) screens the vocabulary at half the bytes of the bfloat16 weight.
+// With x rounded to int16, each approximate logit is an exact integer dot product (vpmaddwd) times two scales,
+// and its bound covers the weight's and x's rounding and float32 summation in any order, with margins for the
+// bound's own float32 arithmetic; only outputs whose upper bound reaches the best lower bound (less one
+// bfloat16 rounding) are then computed exactly, with linear_bf16's own code for that number of rows (row_dot
+// for one row; the tile for several, whose bits do not depend on the tile's shape or place: every accumulator
+// runs the same FMA sequence), so the token is exactly the first index of the largest bfloat16 logit
+// linear_bf16 returns. Returns an empty tensor where it cannot decide cheaply (x not finite or all zero, too
+// many candidates, K not a multiple of 16): the caller then computes the full logits.
+namespace {
+constexpr int64_t kScreenMaxRows = 64;  // below linear_gemm's rows: the tiles' bits
+constexpr int64_t kScreenMaxCandidates = 512;  // per row; past this the full head is about as cheap
+#ifdef QUIRE_AVX2
+// Lane j of the result: the sum of the eight lanes of v[j] (integers: exact).
+inline __m256i sum_lanes8_epi32(const __m256i v[8]) {
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+#endif
+}  // namespace
+
+bool greedy_head_bf16_supported() {
+#ifdef QUIRE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor greedy_head_tokens_bf16(torch::Tensor x, torch::Tensor weight, torch::Tensor q, torch::Tensor scale,
+                                      torch::Tensor bound) {
+#ifdef QUIRE_AVX2
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "greedy_head_tokens_bf16: x must be [M, K] bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1), "greedy_head_tokens_bf16: weight must be contiguous bfloat16 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == N && q.size(1) == K && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "greedy_head_tokens_bf16: q must be int8 [N, K]");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "greedy_head_tokens_bf16: scale must be float32 [N]");
+  TORCH_CHECK(bound.dim() == 2 && bound.size(0) == 3 && bound.size(1) == N && bound.scalar_type() == at::kFloat &&
+                  bound.is_contiguous(), "greedy_head_tokens_bf16: bound must be float32 [3, N]");
+  auto none = torch::empty({0}, x.options().dtype(at::kLong));
+  if (M == 0 || M > kScreenMaxRows || K % 16 != 0 || N == 0) return none;
+  const auto xf = widen(x.contiguous());
+  const float* xs = xf.data_ptr<float>();
+  // x rounded to int16, so that no dot product can leave int32: |sum| <= K * 127 * limit
+  const int64_t limit = std::min<int64_t>(16383, (int64_t{1} << 31) / (K * 128));
+  std::vector<int16_t> xq(M * K);
+  std::vector<double> l1(M), step(M), x_error(M);
+  for (int64_t m = 0; m < M; ++m) {
+    double largest = 0.0, sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = xs[m * K + k];
+      if (!std::isfinite(v)) return none;
+      largest = std::max(largest, static_cast<double>(std::fabs(v)));
+      sum += std::fabs(v);
+    }
+    if (largest == 0.0) return none;
+    step[m] = largest / static_cast<double>(limit);
+    l1[m] = sum;
+    double worst = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = xs[m * K + k];
+      const double r = std::nearbyint(v / step[m]);
+      xq[m * K + k] = static_cast<int16_t>(std::max(-32767.0, std::min(32767.0, r)));
+      worst = std::max(worst, std::fabs(v - step[m] * xq[m * K + k]));
+    }
+    x_error[m] = worst;
+  }
+  const auto* qs = q.data_ptr<int8_t>();
+  const float* row_scale = scale.data_ptr<float>();
+  // bound rows: [0] the largest |w - scale q| of each output, [1] sum |q|, [2] the largest |w|
+  const float* w_error = bound.data_ptr<float>();
+  const float* q_l1 = w_error + N;
+  const float* w_max = w_error + 2 * N;
+  // every term rounded up generously: float32 relative errors of about 2^-23 per operation
+  const double summation = static_cast<double>(K + 2) * std::ldexp(1.0, -23);
+  // float32 copies of the per-row terms, each rounded up (the bound's own float32 arithmetic, and rounding
+  // a + r and a - r to float32, are covered by the 2^-20 margins below)
+  std::vector<float> l1_f(M), step_f(M), x_error_f(M), sum_f(M);
+  for (int64_t m = 0; m < M; ++m) {
+    l1_f[m] = static_cast<float>(l1[m] * (1.0 + 1e-6));
+    step_f[m] = static_cast<float>(step[m]);
+    x_error_f[m] = static_cast<float>(x_error[m] * (1.0 + 1e-6));
+    sum_f[m] = static_cast<float>(summation * l1[m] * (1.0 + 1e-6));
+  }
+  std::vector<float> upper(M * N);  // approximate logit + radius, per row and output
+  std::vector<double> best_lower(M, -INFINITY);  // of each row, over every output
+  std::mutex best_lock;
+  const int64_t groups = N / 8, chunks = K / 16;
+  quire::parallel_chunks(0, groups, quire::chunk_size(groups, 16), [&](int64_t begin, int64_t end) {
+    std::vector<__m256> chunk_lower(M, _mm256_set1_ps(-INFINITY));  // per row, lane by lane
+    std::vector<int16_t> widened(8 * K);  // the group's eight int8 rows as int16 (L1-resident for every row of x)
+    const __m256 margin = _mm256_set1_ps(std::ldexp(1.f, -20));
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = g * 8;
+      const int8_t* rows = qs + n * K;
+      for (int64_t i = 0; i < 8 * K; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&widened[i]),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i))));
+      const __m256 scale8 = _mm256_loadu_ps(row_scale + n), error8 = _mm256_loadu_ps(w_error + n);
+      const __m256 scaled_l1q8 = _mm256_mul_ps(scale8, _mm256_loadu_ps(q_l1 + n));
+      const __m256 wmax8 = _mm256_loadu_ps(w_max + n);
+      for (int64_t m = 0; m < M; ++m) {
+        __m256i acc[8];
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_si256();
+        const int16_t* xrow = &xq[m * K];
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + 16 * c));
+          for (int r = 0; r < 8; ++r)
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(xv, _mm256_loadu_si256(
+                                                  reinterpret_cast<const __m256i*>(&widened[r * K + 16 * c]))));
+        }
+        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_lanes8_epi32(acc)),
+                                       _mm256_mul_ps(scale8, _mm256_set1_ps(step_f[m])));
+        __m256 r = _mm256_mul_ps(error8, _mm256_set1_ps(l1_f[m]));
+        r = _mm256_fmadd_ps(scaled_l1q8, _mm256_set1_ps(x_error_f[m]), r);
+        r = _mm256_fmadd_ps(wmax8, _mm256_set1_ps(sum_f[m]), r);
+        r = _mm256_fmadd_ps(r, margin, r);
+        r = _mm256_fmadd_ps(_mm256_andnot_ps(sign, a), margin, r);
+        r = _mm256_add_ps(r, _mm256_set1_ps(1e-30f));
+        _mm256_storeu_ps(&upper[m * N + n], _mm256_add_ps(a, r));
+        chunk_lower[m] = _mm256_max_ps(chunk_lower[m], _mm256_sub_ps(a, r));
+      }
+    }
+    std::lock_guard<std::mutex> guard(best_lock);
+    for (int64_t m = 0; m < M; ++m) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, chunk_lower[m]);
+      for (int i = 0; i < 8; ++i) best_lower[m] = std::max(best_lower[m], static_cast<double>(lanes[i]));
+    }
+  });
+  for (int64_t n = groups * 8; n < N; ++n) {  // the last outputs, one at a time
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t dot = 0;
+      for (int64_t k = 0; k < K; ++k) dot += static_cast<int64_t>(qs[n * K + k]) * xq[m * K + k];
+      const double a = static_cast<double>(dot) * row_scale[n] * step[m];
+      const double r = (static_cast<double>(w_error[n]) * l1[m] + x_error[m] * row_scale[n] * q_l1[n] +
+                        summation * l1[m] * w_max[n]) * (1.0 + 1e-6) + 1e-30;
+      upper[m * N + n] = static_cast<float>((a + r) * (1.0 + 1e-6) + std::fabs(a) * 1e-6);
+      best_lower[m] = std::max(best_lower[m], a - r - std::fabs(a) * 1e-6);
+    }
+  }
+  auto tokens = torch::empty({M}, x.options().dtype(at::kLong));
+  auto* out = tokens.data_ptr<int64_t>();
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    const double lower = best_lower[m];
+    // below this, a logit's bfloat16 value is below the best lower bound's: 2^-7 covers one bfloat16 rounding
+    // either way
+    const double cut = lower - std::fabs(lower) * std::ldexp(1.0, -6) - 1e-30;
+    const __m256 cut8 = _mm256_set1_ps(std::nextafter(static_cast<float>(cut), -INFINITY));
+    const float* row_upper = &upper[m * N];
+    std::vector<int64_t> candidates;
+    int64_t n = 0;
+    for (; n < N; n += 8) {
+      int mask = 0xFF;  // the last partial group: each checked below
+      if (n + 8 <= N) mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row_upper + n), cut8, _CMP_GE_OQ));
+      for (int i = 0; mask != 0 && i < 8 && n + i < N; ++i, mask >>= 1) {
+        if ((mask & 1) && static_cast<double>(row_upper[n + i]) >= cut) {
+          candidates.push_back(n + i);
+          if (static_cast<int64_t>(candidates.size()) > kScreenMaxCandidates) return none;
+        }
+      }
+    }
+    float best = -INFINITY;
+    int64_t token = -1;
+    for (const int64_t c : candidates) {
+      // the logit exactly as linear_bf16 computes it for M rows (bias: none)
+      uint16_t logit;
+      if (M == 1) {
+        row_outputs<uint16_t>(xs, w + c * K, nullptr, &logit, K, 0, 1);
+      } else {
+        float dot[1][1];
+        tile<1, 1>(xs + m * K, w + c * K, K, dot);
+        store<uint16_t>(&logit, dot[0][0] + 0.f);
+      }
+      const float v = bf16_to_float(logit);
+      if (token < 0 || v > best) {
+        best = v;
+        token = c;
+      }
+    }
+    if (token < 0 || !std::isfinite(best)) return none;
+    out[m] = token;
+  }
+  return tokens;
+#else
+  (void)x;
+  (void)weight;
+  (void)q;
+  (void)scale;
+  (void)bound;
+  TORCH_CHECK(false, "greedy_head_tokens_bf16: this build has no AVX2 and FMA");
+#endif
 }
