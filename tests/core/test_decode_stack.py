@@ -67,11 +67,15 @@ def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arc
 
 def one_region_possible() -> bool:
     """Whether this build runs small decode steps as one parallel region (AVX-512 BF16 and oneDNN's packing)."""
+    import torch
+
     from quire.kernels import cpu_extension
 
     kernels = cpu_extension.load()
     return (kernels is not None and linear_ops.bf16_path() == "onednn" and kernels.onednn_gemv_max_rows() > 0
-            and hasattr(kernels.DecodeStack, "one_region_steps"))
+            and hasattr(kernels.DecodeStack, "one_region_steps")
+            # oneDNN packs bfloat16 weights in the blocks onednn_gemv reads (not on every CPU: AMD Zen 4's differ)
+            and kernels.onednn_gemv_layout(linear_ops.prepack(torch.randn(64, 64).bfloat16()).packed))
 
 
 @pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "

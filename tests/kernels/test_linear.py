@@ -112,9 +112,13 @@ ONEDNN_GEMV_ROWS = (CPU_KERNELS.onednn_gemv_max_rows()
                     if CPU_KERNELS is not None and linear_ops.bf16_path() == "onednn" else 0)
 needs_onednn_gemv = pytest.mark.skipif(ONEDNN_GEMV_ROWS == 0,
                                        reason="no oneDNN-packed bfloat16 weights and AVX-512 BF16 on this CPU")
+# Whether this CPU's oneDNN packs bfloat16 weights in the blocks onednn_gemv reads (an AMD Zen 4's does not).
+ONEDNN_GEMV_LAYOUT = ONEDNN_GEMV_ROWS > 0 and CPU_KERNELS.onednn_gemv_layout(
+    linear_ops.prepack(torch.randn(80, 96).to(torch.bfloat16)).packed)
 
 
 @needs_onednn_gemv
+@pytest.mark.skipif(not ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights in other blocks")
 @pytest.mark.parametrize("out_features,in_features", [(80, 96), (49, 70), (33, 64), (576, 1536), (7, 3)])
 def test_onednn_gemv_reads_the_packed_weight_and_equals_float32_accumulation(out_features, in_features):
     torch.manual_seed(out_features + in_features)
@@ -137,6 +141,19 @@ def test_onednn_gemv_reads_the_packed_weight_and_equals_float32_accumulation(out
                                atol=1e-5)
     with pytest.raises(RuntimeError, match="at most"):
         CPU_KERNELS.onednn_gemv(more, packed.packed, None)
+
+
+@needs_onednn_gemv
+@pytest.mark.skipif(ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights the way onednn_gemv reads")
+def test_weights_onednn_packs_otherwise_go_to_onednns_own_kernels():
+    torch.manual_seed(3)
+    weight = torch.randn(80, 96).to(torch.bfloat16)
+    packed = linear_ops.prepack(weight)
+    assert not CPU_KERNELS.onednn_gemv_layout(packed.packed) and packed.gemv_rows == 0
+    for rows in (1, ONEDNN_GEMV_ROWS):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        torch.testing.assert_close(packed(x, None).float(), reference(x, weight, None).float(), rtol=2 ** -7,
+                                   atol=1e-5)
 
 
 @needs_onednn_gemv
