@@ -30,7 +30,7 @@ SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elemen
                                      "prefill_attention.cpp")]
 # included by the sources: part of the cache key
 HEADERS = [_CSRC / name for name in ("amx.h", "bf16.h", "kernels.h", "decode_stack.h", "parallel.h", "vector_math.h",
-                                     "quant_blocks.h", "quant_int_dot.h")]
+                                     "quant_blocks.h", "quant_int_dot.h", "greedy_screen.h")]
 # NOTE: no -ffast-math: the kernels promise PyTorch's results for infinities and NaN (and its bits for
 # bfloat16), which -ffinite-math-only and -fassociative-math would let the compiler break.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "greedy_screen.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -337,38 +338,17 @@ torch::Tensor greedy_head_tokens_bf16(torch::Tensor x, torch::Tensor weight, tor
   if (M == 0 || M > kScreenMaxRows || K % 16 != 0 || N == 0) return none;
   const auto xf = widen(x.contiguous());
   const float* xs = xf.data_ptr<float>();
-  // x rounded to int16, so that no dot product can leave int32: |sum| <= K * 127 * limit
-  const int64_t limit = std::min<int64_t>(16383, (int64_t{1} << 31) / (K * 128));
-  std::vector<int16_t> xq(M * K);
-  std::vector<double> l1(M), step(M), x_error(M);
-  for (int64_t m = 0; m < M; ++m) {
-    double largest = 0.0, sum = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = xs[m * K + k];
-      if (!std::isfinite(v)) return none;
-      largest = std::max(largest, static_cast<double>(std::fabs(v)));
-      sum += std::fabs(v);
-    }
-    if (largest == 0.0) return none;
-    step[m] = largest / static_cast<double>(limit);
-    l1[m] = sum;
-    double worst = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      const double v = xs[m * K + k];
-      const double r = std::nearbyint(v / step[m]);
-      xq[m * K + k] = static_cast<int16_t>(std::max(-32767.0, std::min(32767.0, r)));
-      worst = std::max(worst, std::fabs(v - step[m] * xq[m * K + k]));
-    }
-    x_error[m] = worst;
-  }
+  quire::screen::QuantizedRows rows;
+  if (!quire::screen::quantize_rows(M, K, [&](int64_t i) { return xs[i]; }, rows)) return none;
+  const std::vector<int16_t>& xq = rows.xq;
+  const std::vector<double> &l1 = rows.l1, &step = rows.step, &x_error = rows.x_error;
   const auto* qs = q.data_ptr<int8_t>();
   const float* row_scale = scale.data_ptr<float>();
   // bound rows: [0] the largest |w - scale q| of each output, [1] sum |q|, [2] the largest |w|
   const float* w_error = bound.data_ptr<float>();
   const float* q_l1 = w_error + N;
   const float* w_max = w_error + 2 * N;
-  // every term rounded up generously: float32 relative errors of about 2^-23 per operation
-  const double summation = static_cast<double>(K + 2) * std::ldexp(1.0, -23);
+  const double summation = quire::screen::summation_error(K);
   // float32 copies of the per-row terms, each rounded up (the bound's own float32 arithmetic, and rounding
   // a + r and a - r to float32, are covered by the 2^-20 margins below)
   std::vector<float> l1_f(M), step_f(M), x_error_f(M), sum_f(M);
@@ -430,8 +410,8 @@ torch::Tensor greedy_head_tokens_bf16(torch::Tensor x, torch::Tensor weight, tor
       int64_t dot = 0;
       for (int64_t k = 0; k < K; ++k) dot += static_cast<int64_t>(qs[n * K + k]) * xq[m * K + k];
       const double a = static_cast<double>(dot) * row_scale[n] * step[m];
-      const double r = (static_cast<double>(w_error[n]) * l1[m] + x_error[m] * row_scale[n] * q_l1[n] +
-                        summation * l1[m] * w_max[n]) * (1.0 + 1e-6) + 1e-30;
+      const double r = quire::screen::radius(w_error[n], row_scale[n], q_l1[n], w_max[n], l1[m], x_error[m],
+                                             summation);
       upper[m * N + n] = static_cast<float>((a + r) * (1.0 + 1e-6) + std::fabs(a) * 1e-6);
       best_lower[m] = std::max(best_lower[m], a - r - std::fabs(a) * 1e-6);
     }
@@ -441,9 +421,7 @@ torch::Tensor greedy_head_tokens_bf16(torch::Tensor x, torch::Tensor weight, tor
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   for (int64_t m = 0; m < M; ++m) {
     const double lower = best_lower[m];
-    // below this, a logit's bfloat16 value is below the best lower bound's: 2^-7 covers one bfloat16 rounding
-    // either way
-    const double cut = lower - std::fabs(lower) * std::ldexp(1.0, -6) - 1e-30;
+    const double cut = quire::screen::cut_below(lower);
     const __m256 cut8 = _mm256_set1_ps(std::nextafter(static_cast<float>(cut), -INFINITY));
     const float* row_upper = &upper[m * N];
     std::vector<int64_t> candidates;

@@ -30,6 +30,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "greedy_screen.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -317,34 +318,10 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
   if (M == 0 || M > kGreedyMaxRows || K % 32 != 0) return none;
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  // x rounded to int16, so that no dot product can leave int32: |sum| <= K * 127 * limit
-  const int64_t limit = std::min<int64_t>(16383, (int64_t{1} << 31) / (K * 128));
-  std::vector<int16_t> xq(M * K);
-  std::vector<double> l1(M), step(M), x_error(M);
-  for (int64_t m = 0; m < M; ++m) {
-    double largest = 0.0, sum = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      uint32_t bits = static_cast<uint32_t>(xs[m * K + k]) << 16;
-      float v;
-      std::memcpy(&v, &bits, 4);
-      if (!std::isfinite(v)) return none;
-      largest = std::max(largest, static_cast<double>(std::fabs(v)));
-      sum += std::fabs(v);
-    }
-    if (largest == 0.0) return none;
-    step[m] = largest / static_cast<double>(limit);
-    l1[m] = sum;
-    double worst = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      uint32_t bits = static_cast<uint32_t>(xs[m * K + k]) << 16;
-      float v;
-      std::memcpy(&v, &bits, 4);
-      const double r = std::nearbyint(static_cast<double>(v) / step[m]);
-      xq[m * K + k] = static_cast<int16_t>(std::max(-32767.0, std::min(32767.0, r)));
-      worst = std::max(worst, std::fabs(static_cast<double>(v) - step[m] * xq[m * K + k]));
-    }
-    x_error[m] = worst;
-  }
+  quire::screen::QuantizedRows rows;
+  if (!quire::screen::quantize_rows(M, K, [&](int64_t i) { return quire::bf16_to_float(xs[i]); }, rows)) return none;
+  const std::vector<int16_t>& xq = rows.xq;
+  const std::vector<double> &l1 = rows.l1, &step = rows.step, &x_error = rows.x_error;
   const auto* qs = q.data_ptr<int8_t>();
   const float* row_scale = scale.data_ptr<float>();
   // bound rows: [0] the largest |w - scale q| of each output, [1] sum |q|, [2] the largest |w|
@@ -352,8 +329,7 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
   const float* q_l1 = w_error + N;
   const float* w_max = w_error + 2 * N;
   std::vector<float> approx(M * N), radius(M * N);
-  // every term rounded up generously: float32 relative errors of about 2^-23 per operation
-  const double summation = static_cast<double>(K + 2) * std::ldexp(1.0, -23);
+  const double summation = quire::screen::summation_error(K);
   std::vector<double> best_lower(M, -INFINITY);  // of each row, over every output
   std::mutex best_lock;
   const int64_t chunk = quire::chunk_size(N, 64, 8);
@@ -418,8 +394,8 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
       for (int64_t m = 0; m < M; ++m) {
         const double dot = static_cast<double>(_mm512_reduce_add_epi32(acc[m]));
         const double a = dot * row_scale[n] * step[m];
-        const double r = (static_cast<double>(w_error[n]) * l1[m] + x_error[m] * row_scale[n] * q_l1[n] +
-                          summation * l1[m] * w_max[n]) * (1.0 + 1e-6) + 1e-30;
+        const double r = quire::screen::radius(w_error[n], row_scale[n], q_l1[n], w_max[n], l1[m], x_error[m],
+                                               summation);
         approx[m * N + n] = static_cast<float>(a);
         radius[m * N + n] = static_cast<float>(r * (1.0 + 1e-6) + std::fabs(a) * 1e-6);
         chunk_lower[m] = std::max(chunk_lower[m], a - r);
@@ -434,9 +410,7 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
   for (int64_t m = 0; m < M; ++m) {
     const double lower = best_lower[m];
-    // below this, a logit's bfloat16 value is below the best lower bound's: 2^-7 covers one bfloat16 rounding
-    // either way
-    const double cut = lower - std::fabs(lower) * std::ldexp(1.0, -6) - 1e-30;
+    const double cut = quire::screen::cut_below(lower);
     std::vector<int64_t> blocks;
     for (int64_t n = 0; n < N; ++n) {
       if (static_cast<double>(approx[m * N + n]) + static_cast<double>(radius[m * N + n]) >= cut) {
