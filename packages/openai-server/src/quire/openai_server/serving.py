@@ -387,7 +387,7 @@ class EventStream(Response):
             return False
         try:
             body = encode(output)
-        except Exception:  # noqa: BLE001 - left to the pump, whose generator reports the error in the stream
+        except Exception:  # noqa: BLE001 - left to the pump, whose generator meets it again and reports it
             return False
         if not body:
             return True  # nothing to write (no new text)

@@ -102,8 +102,8 @@ class RequestStream:
         """Deliver outputs synchronously, from the engine's output handler, to ``sink`` whenever this stream's
         reader is waiting and nothing is queued ahead of them: the output is the sink's when it returns True,
         and is queued for the reader as usual when it returns False. The final output is never offered:
-        the reader always gets it, and anything the sink declines, in order. A streaming server writes its plain text
-        deltas this way, without waking the reader's task for every token. None removes the sink."""
+        the reader always gets it, and anything the sink declines, in order. A streaming server writes each
+        output's events this way, without waking the reader's task for every token. None removes the sink."""
         self._collector.sink = sink
 
     async def __anext__(self) -> RequestOutput:
