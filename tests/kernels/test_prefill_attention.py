@@ -12,7 +12,7 @@ from quire.kernels.attention import paged_attention, plan_paged_attention, run_p
 from .test_attention import dense_causal_attention, write_requests
 
 CPU_KERNELS = cpu_extension.load()
-pytestmark = pytest.mark.skipif(CPU_KERNELS is None or not CPU_KERNELS.prefill_attention_available(64),
+pytestmark = pytest.mark.skipif(CPU_KERNELS is None or not CPU_KERNELS.prefill_attention_runs(64),
                                 reason="prefill_attention needs a CPU with AMX BF16 or AVX2")
 
 
@@ -77,17 +77,30 @@ def test_rejects_what_it_cannot_run():
         prefill(q, q[:, :3], q[:, :3], 0.125)
     with pytest.raises(RuntimeError, match="scale must be positive"):
         prefill(q, q, q, -0.125)
-    assert not CPU_KERNELS.prefill_attention_available(40)
+    assert not CPU_KERNELS.prefill_attention_runs(40) and not CPU_KERNELS.prefill_attention_available(40)
+
+
+def test_attention_takes_it_only_where_it_runs_and_not_beside_avx512_bf16_without_amx():
+    """Where the CPU has AVX-512 BF16 but no AMX tiles run, whole prompts keep PyTorch's SDPA (the AVX2 tiles'
+    float32 order was enough there for bfloat16 greedy ids to leave transformers' where margins are clear)."""
+    for head_dim in (16, 32, 48, 64, 128, 256, 272):
+        assert CPU_KERNELS.prefill_attention_available(head_dim) <= CPU_KERNELS.prefill_attention_runs(head_dim)
+    if "avx512_bf16" in open("/proc/cpuinfo").read() and "amx_bf16" not in open("/proc/cpuinfo").read():
+        assert not any(CPU_KERNELS.prefill_attention_available(d) for d in (32, 48, 64, 128))
 
 
 class CountingKernels:
-    """The C++ module, counting the prompts ``run_paged_attention`` hands to ``prefill_attention``."""
+    """The C++ module, counting the prompts ``run_paged_attention`` hands to ``prefill_attention``, which it offers
+    wherever it runs (whatever this CPU's choice between it and SDPA)."""
 
     def __init__(self):
         self.calls = []
 
     def __getattr__(self, name):
         return getattr(CPU_KERNELS, name)
+
+    def prefill_attention_available(self, head_dim):
+        return CPU_KERNELS.prefill_attention_runs(head_dim)
 
     def prefill_attention(self, query, key, value, scale, ranges, out):
         self.calls.append(ranges.tolist())

@@ -16,10 +16,10 @@ class TorchAttentionBackend(AttentionBackend):
     Decodes go through Quire's C++ kernel (``quire.kernels.cpu_extension``) when it is available for the
     dtype (float32, bfloat16), reading the cache in place; prompts and the fallback use PyTorch's
     ``scaled_dot_product_attention`` (a whole prompt without a cached prefix: the C++ ``prefill_attention``
-    on its own keys, in bfloat16 on CPUs with AMX or AVX2). With the C++ kernel the backend offers the C++ decoder stack
-    (``capabilities.cpu_decode_stack``), whose attention is that same kernel. Windowed layers run a plan of
-    their own (built by the first such layer of a step, per window), which decodes through PyTorch and reads
-    only the blocks inside each query's window.
+    on its own keys, in bfloat16 on CPUs with AMX, or AVX2 without AVX-512 BF16). With the C++ kernel the
+    backend offers the C++ decoder stack (``capabilities.cpu_decode_stack``), whose attention is that same
+    kernel. Windowed layers run a plan of their own (built by the first such layer of a step, per window), which
+    decodes through PyTorch and reads only the blocks inside each query's window.
     """
 
     name = "torch"

@@ -10,8 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of whole prompts (rows start..end of each range) over their own keys, into out (AMX or AVX2)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"), py::arg("ranges"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention_runs", &prefill_attention_runs, "whether prefill_attention runs here for this head size");
   m.def("prefill_attention_available", &prefill_attention_available,
-        "whether prefill_attention runs here for this head size");
+        "whether whole prompts of this head size should take prefill_attention here (rather than PyTorch's SDPA)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding a residual");
   m.def("rotate", &rotate, "rotary embedding (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -11,7 +11,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 // Causal attention of whole prompts over their own keys (prefill_attention.cpp): query/out [T, Hq, D], key/value
 // [T, Hk, D], bfloat16; each (start, end) row of `ranges` is one prompt, written to those rows of out (the rest
 // untouched). Runs on AMX tiles where the build has AMX BF16, the OS grants the tiles and D is a multiple of 32,
-// else on AVX2 FMA where D is a multiple of 16; D <= 256 either way.
+// else on AVX2 FMA where D is a multiple of 16; D <= 256 either way (prefill_attention_runs). Whether attention
+// should take it (prefill_attention_available) is narrower: AMX, or AVX2 FMA on CPUs without AVX-512 BF16.
+bool prefill_attention_runs(int64_t head_dim);
 bool prefill_attention_available(int64_t head_dim);
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
                        torch::Tensor out);
