@@ -6,8 +6,11 @@ both (``--clients`` streaming clients, 2 x clients requests); runs alternate bet
 the table shows medians of each process's CPU per streamed token (the server's from the scheduler's
 per-thread run times, the client's from ``time.process_time``).
 
-The difference between the two rows is what Quire's own Python costs per token; the bare row is what
-uvicorn and the sockets cost at least.
+The scripted core runs in the server's process, where the real engine core does not: its making and
+encoding of each step's message (the engine core process's work in a real server; the front end's share,
+decoding it, stays in) is timed on its own thread clock and shown apart. The front end's figure is the
+server's CPU without it. The difference between that and the bare row is what Quire's own Python costs per
+token; the bare row is what uvicorn and the sockets cost at least.
 
     python benchmarks/frontend_cost.py [--checkpoint DIR] [--clients 32] [--output-len 128] [--repeats 5]
 """
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,6 +45,7 @@ def parse_args():
     parser.add_argument("--step-ms", type=float, default=10.0, help="the scripted engine's step time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -49,7 +54,8 @@ def parse_args():
 class ScriptedEngineCore:
     """An engine-core client for ``AsyncLLM`` that runs no model: every ``step`` seconds each running
     request gets one token (a fixed function of the request and position), until its ``max_tokens``.
-    Outputs round-trip through msgspec as the real core's do."""
+    Outputs round-trip through msgspec as the real core's do; ``engine_side_ns`` counts the thread CPU
+    spent making and encoding them (what the engine core process does in a real server)."""
 
     engine_dead = False
 
@@ -64,6 +70,7 @@ class ScriptedEngineCore:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.arrived = asyncio.Event()
+        self.engine_side_ns = 0
 
     async def add_request_async(self, request) -> None:
         self.requests[request.request_id] = [request.sampling_params.max_tokens, 0,
@@ -84,6 +91,7 @@ class ScriptedEngineCore:
             self.arrived.clear()
             await self.arrived.wait()
         await asyncio.sleep(self.step)
+        started = time.thread_time_ns()
         outputs = []
         for request_id, state in list(self.requests.items()):
             state[1] += 1
@@ -93,13 +101,15 @@ class ScriptedEngineCore:
             if finished:
                 del self.requests[request_id]
         message = EngineCoreOutputs(outputs, SchedulerStats(num_running_reqs=len(outputs)), time.time())
-        return self.decoder.decode(self.encoder.encode(message))
+        encoded = self.encoder.encode(message)
+        self.engine_side_ns += time.thread_time_ns() - started
+        return self.decoder.decode(encoded)
 
     def shutdown(self) -> None:
         pass
 
 
-def serve_quire(checkpoint: Path, port: int, step: float) -> None:
+def serve_quire(checkpoint: Path, port: int, step: float, report: Path) -> None:
     from quire.core.engine.async_llm import AsyncLLM
     from quire.core.engine_args import EngineArgs
     from quire.openai_server.server import event_loop_factory, serve
@@ -109,8 +119,18 @@ def serve_quire(checkpoint: Path, port: int, step: float) -> None:
     settings = ServerSettings(served_model_names=[str(checkpoint)], host="127.0.0.1", port=port,
                               log_level="warning")
 
+    core = ScriptedEngineCore(config.model.max_model_len, step)
+    reports = 0
+
+    def report_engine_side(*_) -> None:  # SIGUSR1: "<count> <engine_side_ns>" into ``report``
+        nonlocal reports
+        reports += 1
+        report.write_text(f"{reports} {core.engine_side_ns}")
+
+    signal.signal(signal.SIGUSR1, report_engine_side)
+
     async def main():
-        engine = AsyncLLM(config, engine_core=ScriptedEngineCore(config.model.max_model_len, step))
+        engine = AsyncLLM(config, engine_core=core)
         return await serve(engine, settings)
 
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
@@ -192,11 +212,24 @@ def threads_cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def start(kind: str, checkpoint: Path, step: float) -> tuple[subprocess.Popen, str]:
+def engine_side_seconds(process: subprocess.Popen, report: Path, reports: list[int]) -> float:
+    """The scripted core's own CPU so far (``serve_quire``'s SIGUSR1 report; ``reports`` counts them)."""
+    reports[0] += 1
+    process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        fields = report.read_text().split() if report.exists() else []
+        if fields and int(fields[0]) == reports[0]:
+            return int(fields[1]) / 1e9
+        time.sleep(0.01)
+    raise RuntimeError("the Quire server did not report its scripted core's CPU")
+
+
+def start(kind: str, checkpoint: Path, step: float, report: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "--checkpoint", str(checkpoint),
+    process = subprocess.Popen([sys.executable, __file__, "--checkpoint", str(checkpoint), "--report", str(report),
                                 "--step-ms", str(step * 1000), "--serve", kind, str(port)])
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -234,21 +267,29 @@ def main() -> None:
         checkpoint = args.checkpoint or bench_checkpoint(Path(scratch) / "bench-llama-7m")
         if args.serve:
             kind, port = args.serve
-            return serve_quire(checkpoint, int(port), step) if kind == "quire" else serve_bare(int(port), step)
-        servers = {kind: start(kind, checkpoint, step) for kind in ("quire", "bare")}
-        samples = {kind: {"server": [], "client": [], "tok/s": []} for kind in servers}
+            if kind == "quire":
+                return serve_quire(checkpoint, int(port), step, args.report)
+            return serve_bare(int(port), step)
+        report, reports = Path(scratch) / "engine-side", [0]
+        servers = {kind: start(kind, checkpoint, step, report) for kind in ("quire", "bare")}
+        samples = {kind: {"server": [], "engine side": [], "client": [], "tok/s": []} for kind in servers}
         try:
             for _, url in servers.values():  # warm-up
                 run_clients(url, str(checkpoint), args.clients, 2, args.clients, seed=1)
             for repeat in range(args.repeats):
                 for kind, (process, url) in servers.items():
+                    engine_side = engine_side_seconds(process, report, reports) if kind == "quire" else 0.0
                     server_cpu, client_cpu = threads_cpu_seconds(process.pid), time.process_time()
                     summary = run_clients(url, str(checkpoint), args.clients, args.output_len,
                                           2 * args.clients, seed=100 + repeat)
                     if summary["failed"]:
                         raise RuntimeError(f"{summary['failed']} requests failed: {summary['errors']}")
                     tokens = summary["total_output_tokens"]
-                    samples[kind]["server"].append(1e6 * (threads_cpu_seconds(process.pid) - server_cpu) / tokens)
+                    server_cpu = threads_cpu_seconds(process.pid) - server_cpu
+                    if kind == "quire":
+                        engine_side = engine_side_seconds(process, report, reports) - engine_side
+                    samples[kind]["server"].append(1e6 * (server_cpu - engine_side) / tokens)
+                    samples[kind]["engine side"].append(1e6 * engine_side / tokens)
                     samples[kind]["client"].append(1e6 * (time.process_time() - client_cpu) / tokens)
                     samples[kind]["tok/s"].append(summary["output_throughput"])
         finally:
@@ -257,16 +298,19 @@ def main() -> None:
                 process.wait(timeout=30)
     print(f"{args.clients} streaming clients, {2 * args.clients} requests x {args.output_len} tokens, one token "
           f"per chunk every {args.step_ms:g} ms; medians of {args.repeats} alternating runs\n")
-    print("| server | server CPU us per token | client CPU us per token | streamed tok/s |")
-    print("|---|---|---|---|")
+    print("| server | server CPU us per token | scripted core's engine-side CPU (not included) "
+          "| client CPU us per token | streamed tok/s |")
+    print("|---|---|---|---|---|")
     names = {"quire": "Quire (scripted engine core)", "bare": "bare ASGI app, same uvicorn"}
     medians = {kind: {k: statistics.median(v) for k, v in s.items()} for kind, s in samples.items()}
     for kind, m in medians.items():
-        print(f"| {names[kind]} | {m['server']:.1f} | {m['client']:.1f} | {m['tok/s']:,.0f} |")
+        engine_side = f"{m['engine side']:.1f}" if kind == "quire" else "-"
+        print(f"| {names[kind]} | {m['server']:.1f} | {engine_side} | {m['client']:.1f} | {m['tok/s']:,.0f} |")
     extra = medians["quire"]["server"] - medians["bare"]["server"]
     print(f"\nQuire's own per-token cost over the bare app: {extra:.1f} us "
-          f"({medians['quire']['server'] / medians['bare']['server']:.2f}x the bare server's)")
-
+          f"({medians['quire']['server'] / medians['bare']['server']:.2f}x the bare server's; with the scripted "
+          f"core's engine-side work counted too: "
+          f"{(medians['quire']['server'] + medians['quire']['engine side']) / medians['bare']['server']:.2f}x)")
 
 if __name__ == "__main__":
     main()
