@@ -48,6 +48,9 @@ class RequestState:
     # A pooling request: no text, one vector at the end (None until it arrives).
     is_pooling: bool = False
     embedding: list[float] | None = None
+    # A delta stream of its own (no parent), every token sent, no logprobs: its unfinished outputs take
+    # ``OutputProcessor._plain_output``.
+    plain: bool = False
 
     @property
     def user_request_id(self) -> str:
@@ -100,6 +103,9 @@ class OutputProcessor:
             stream_interval=max(self.stream_interval, params.stream_interval or 1),
             stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else request.eos_token_ids),
             is_pooling=request.pooling_params is not None,
+            plain=(parent is None and params.output_kind == RequestOutputKind.DELTA and params.logprobs is None
+                   and params.prompt_logprobs is None and request.pooling_params is None
+                   and max(self.stream_interval, params.stream_interval or 1) == 1),
         )
         if params.structured_outputs is not None:
             self.request_states[request.request_id].metrics.structured_output_backend = \
@@ -167,7 +173,16 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted by the user meanwhile
             state.metrics.engine_index = engine_index
-            self._update(state, output, now)
+            if (state.plain and output.finish_reason is None and output.new_token_ids and not output.events
+                    and output.new_logprobs is None and output.new_prompt_logprobs is None
+                    and output.num_cached_tokens <= state.num_cached_tokens):
+                request_output = self._plain_output(state, output.new_token_ids, now)
+                if request_output is not None:
+                    request_outputs.append(request_output)
+                    continue
+                # a stop string ended it (the state says so): on as any other output
+            else:
+                self._update(state, output, now)
             if state.finish_reason is not None and not output.finished:
                 to_abort.append(output.request_id)  # stopped by a stop string
             request_output = self._make_output(state)
@@ -213,6 +228,25 @@ class OutputProcessor:
         elif output.finished:
             state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
             state.detokenizer.finish(stop_terminated)
+
+    def _plain_output(self, state: RequestState, new_token_ids: list[int], now: float) -> RequestOutput | None:
+        """The common streamed step, as ``_update`` then ``_make_output`` do it for an unfinished token of a
+        plain request with nothing else on it, in one call; None when a stop string ended the request (its
+        finish and stop reasons then set)."""
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.extend([now] * len(new_token_ids))
+        detokenizer = state.detokenizer
+        stop_string = detokenizer.update(new_token_ids, False)
+        if stop_string is not None:
+            state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
+            return None
+        token_ids = detokenizer.token_ids
+        start, state.sent_token_offset = state.sent_token_offset, len(token_ids)
+        completion = CompletionOutput(state.index, detokenizer.next_text(False, True), token_ids[start:])
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
+                             state.num_cached_tokens, None, metrics)
 
     def _finish(self, state: RequestState, now: float) -> None:
         del self.request_states[state.request_id]
