@@ -74,7 +74,7 @@ def one_region_possible() -> bool:
     kernels = cpu_extension.load()
     return (kernels is not None and linear_ops.bf16_path() == "onednn" and kernels.onednn_gemv_max_rows() > 0
             and hasattr(kernels.DecodeStack, "one_region_steps")
-            # oneDNN packs bfloat16 weights in the blocks onednn_gemv reads (not on every CPU: AMD Zen 4's differ)
+            # oneDNN packs bfloat16 weights in blocks onednn_gemv reads (32 or 64 outputs wide)
             and kernels.onednn_gemv_layout(linear_ops.prepack(torch.randn(64, 64).bfloat16()).packed))
 
 

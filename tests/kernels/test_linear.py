@@ -112,7 +112,8 @@ ONEDNN_GEMV_ROWS = (CPU_KERNELS.onednn_gemv_max_rows()
                     if CPU_KERNELS is not None and linear_ops.bf16_path() == "onednn" else 0)
 needs_onednn_gemv = pytest.mark.skipif(ONEDNN_GEMV_ROWS == 0,
                                        reason="no oneDNN-packed bfloat16 weights and AVX-512 BF16 on this CPU")
-# Whether this CPU's oneDNN packs bfloat16 weights in the blocks onednn_gemv reads (an AMD Zen 4's does not).
+# Whether this CPU's oneDNN packs bfloat16 weights in blocks onednn_gemv reads (32 outputs wide for its AMX
+# kernels, 64 for its AVX-512 BF16 ones on an AMD Zen 4).
 ONEDNN_GEMV_LAYOUT = ONEDNN_GEMV_ROWS > 0 and CPU_KERNELS.onednn_gemv_layout(
     linear_ops.prepack(torch.randn(80, 96).to(torch.bfloat16)).packed)
 
@@ -141,6 +142,22 @@ def test_onednn_gemv_reads_the_packed_weight_and_equals_float32_accumulation(out
                                atol=1e-5)
     with pytest.raises(RuntimeError, match="at most"):
         CPU_KERNELS.onednn_gemv(more, packed.packed, None)
+
+
+@needs_onednn_gemv
+@pytest.mark.skipif(not ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights in other blocks")
+@pytest.mark.parametrize("out_features", [80, 49, 130, 576])
+def test_onednn_gemv_gives_each_row_the_same_bits_at_every_batch_size(out_features):
+    """Whole 64-output blocks (up to 4 rows, where oneDNN packs them) and 32-output groups give the same sums:
+    a row's outputs do not depend on how many rows share the call."""
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, 192).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = linear_ops.prepack(weight)
+    x = torch.randn(ONEDNN_GEMV_ROWS, 192).to(torch.bfloat16)
+    alone = torch.cat([CPU_KERNELS.onednn_gemv(x[i:i + 1], packed.packed, bias) for i in range(len(x))])
+    for rows in range(2, ONEDNN_GEMV_ROWS + 1):
+        assert torch.equal(CPU_KERNELS.onednn_gemv(x[:rows], packed.packed, bias), alone[:rows])
 
 
 @needs_onednn_gemv

@@ -280,7 +280,11 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   }
   const int threads = std::max(1, at::get_num_threads());
   const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
-  auto chunk_of = [threads](int64_t blocks) { return std::max<int64_t>(1, blocks / (4 * threads)); };
+  // claims of whole units (two 32-output groups where oneDNN packs 64-output blocks), starting on a unit
+  const int64_t unit = onednn_gemv_block_groups();
+  auto chunk_of = [threads, unit](int64_t blocks) {
+    return std::max<int64_t>(1, blocks / (4 * threads) / unit) * unit;
+  };
   const int64_t qkv_chunk = chunk_of(qkv_blocks), hidden_chunk = chunk_of(hidden_blocks);
   const int64_t inter_chunk = chunk_of(inter_blocks);
   std::vector<ThreadBuffers> buffers(threads);
@@ -311,6 +315,11 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   auto each = [](auto&& run) {  // run(i) for each index of a claimed range
     return [&run](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) run(i);
+    };
+  };
+  auto units = [unit](auto&& run) {  // run(first group, groups) for each unit of a claimed range of groups
+    return [&run, unit](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; i += unit) run(i, std::min(unit, last - i));
     };
   };
 
@@ -344,10 +353,10 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       }
       // qkv
       const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
-      claim(counter[0], qkv_blocks, qkv_chunk, each([&](int64_t b) {
+      claim(counter[0], qkv_blocks, qkv_chunk, units([&](int64_t b, int64_t groups) {
         onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 0], b,
                           qkv_bias != nullptr ? qkv_bias + b * 32 : nullptr, qkv.data() + b * 32, qkv_n,
-                          std::min<int64_t>(32, qkv_n - b * 32));
+                          std::min<int64_t>(32 * groups, qkv_n - b * 32));
       }));
 #pragma omp barrier
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
@@ -385,10 +394,10 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
-      claim(counter[2], hidden_blocks, hidden_chunk, each([&](int64_t b) {
+      claim(counter[2], hidden_blocks, hidden_chunk, units([&](int64_t b, int64_t groups) {
         onednn_gemv_block(attention_pairs.data(), B, P_q, weights[l * 4 + 1], b,
                           o_bias != nullptr ? o_bias + b * 32 : nullptr, projected.data() + b * 32, Hd,
-                          std::min<int64_t>(32, Hd - b * 32));
+                          std::min<int64_t>(32 * groups, Hd - b * 32));
       }));
 #pragma omp barrier
       // post-attention norm (every thread, its own copy)
@@ -404,20 +413,22 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
         const int64_t count = last - first, width = count * 32;
         uint16_t* gate = mine.gate_up.data();
         uint16_t* up = gate + B * width;
-        for (int64_t g = 0; g < count; ++g)
-          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], first + g, nullptr, gate + g * 32, width, 32);
-        for (int64_t g = 0; g < count; ++g) {
+        for (int64_t g = 0; g < count; g += unit) {
+          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], first + g, nullptr, gate + g * 32, width,
+                            32 * std::min(unit, count - g));
+        }
+        for (int64_t g = 0; g < count; g += unit) {
           onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], inter_blocks + first + g, nullptr,
-                            up + g * 32, width, 32);
+                            up + g * 32, width, 32 * std::min(unit, count - g));
         }
         for (int64_t m = 0; m < B; ++m)
           silu_mul_span<uint16_t>(gate + m * width, up + m * width, act + m * I + first * 32, width);
       });
 #pragma omp barrier
       // down
-      claim(counter[4], hidden_blocks, hidden_chunk, each([&](int64_t b) {
+      claim(counter[4], hidden_blocks, hidden_chunk, units([&](int64_t b, int64_t groups) {
         onednn_gemv_block(act_pairs.data(), B, P_inter, weights[l * 4 + 3], b, nullptr, down.data() + b * 32, Hd,
-                          std::min<int64_t>(32, Hd - b * 32));
+                          std::min<int64_t>(32 * groups, Hd - b * 32));
       }));
 #pragma omp barrier
     }

@@ -66,10 +66,12 @@ void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t dim);
 // out[i] = silu(gate[i]) * up[i] for count values.
 template <typename T>
 void silu_mul_span(const T* gate, const T* up, T* out, int64_t count);
-// onednn_gemv's kernel for one 32-output block of a packed weight (onednn_gemv.cpp; `packed_data` from
-// onednn_packed_data): rows (<= 8) of x as k-pairs (`P` per row, zero past K), the block's outputs (count <= 32,
+// onednn_gemv's kernel from one 32-output group of a packed weight on (onednn_gemv.cpp; `packed_data` from
+// onednn_packed_data): rows (<= 8) of x as k-pairs (`P` per row, zero past K), `count` outputs (<= 32 times
+// onednn_gemv_block_groups(): with oneDNN's 64-output blocks, two groups from an even one read in one pass;
 // bias already offset to them or null) to out (row stride out_stride). Unavailable in a build without AVX-512 BF16.
 bool onednn_gemv_blocks_available();
+int64_t onednn_gemv_block_groups();
 const uint16_t* onednn_packed_data(const torch::Tensor& packed);
 void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
                        const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);

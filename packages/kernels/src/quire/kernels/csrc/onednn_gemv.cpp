@@ -1,10 +1,12 @@
 // Decode-sized linear layers (a few rows) on a weight oneDNN has packed, without calling oneDNN.
 //
-// On AVX-512 BF16 CPUs oneDNN packs a bfloat16 linear weight [N, K] for its AMX kernels as
+// On AVX-512 BF16 CPUs oneDNN packs a bfloat16 linear weight [N, K] for its kernels as
 //
-//   packed[n / 32][k / 2][n % 32][k % 2]      (N and K padded to multiples of 32 with zeros)
+//   packed[n / W][k / 2][n % W][k % 2]      (N padded to a multiple of W, K to a multiple of 32, with zeros)
 //
-// which is also the operand `vdpbf16ps` wants: one 128-byte row holds a k-pair of 32 outputs. For a few rows
+// with W = 32 outputs for its AMX kernels (Intel) and W = 64 for its AVX-512 BF16 ones (AMD Zen 4), which is
+// also the operand `vdpbf16ps` wants: a row of 4W bytes holds a k-pair of W outputs. The kernels here work on
+// groups of 32 outputs (a block, or half of one: its k-pair rows 4W bytes apart). For a few rows
 // of x the multiply only streams the weight from memory, and oneDNN's fixed cost per call (argument checks,
 // descriptors, its primitive cache, the output's allocation: ~25 us, most of it while the other threads wait)
 // is a quarter of a small layer's time on two cores; here a call costs a parallel loop. The weight is read
@@ -12,16 +14,18 @@
 // layers at batch 1 on two AMX cores: 12.4 ms through oneDNN, 9.6 ms here; not slower than oneDNN up to 8 rows).
 //
 // The layout is not part of oneDNN's interface, so `onednn_gemv_layout` checks a packed weight against its own
-// dense copy (once, when it is packed) and callers fall back to oneDNN for any weight it refuses.
+// dense copy (once, when it is packed) and callers fall back to oneDNN for any weight it refuses; the first
+// weight it accepts fixes W for the process, and a weight packed with another W is refused.
 //
-// From 9 to 32 rows (decode steps of a busy server) AMX tiles read the same layout: a packed block's 128-byte
-// rows hold two tiles' rows (16 outputs each) at a 128-byte stride.
+// From 9 to 32 rows (decode steps of a busy server) AMX tiles read the same layout (W = 32): a packed block's
+// 128-byte rows hold two tiles' rows (16 outputs each) at a 128-byte stride.
 //
 // Products of bfloat16 values are exact; each output is a float32 sum (in an order of its own, not oneDNN's),
 // plus the bias, rounded to bfloat16 once (nearest even).
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,7 +54,7 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
 
 namespace {
 
-constexpr int64_t kBlock = 32;           // outputs per packed block, and the padding of K
+constexpr int64_t kBlock = 32;           // outputs per group (a packed block or half of one), and K's padding
 constexpr int64_t kPrefetchPairs = 16;   // 16 k-pairs of a block: 2 KB ahead
 constexpr int64_t kGemvRows = 8;         // rows for vdpbf16ps; more go through AMX tiles
 #ifdef QUIRE_ONEDNN_AMX
@@ -61,6 +65,17 @@ constexpr int64_t kMaxRows = 32;
 constexpr int64_t kMaxRows = kGemvRows;
 #endif
 
+// oneDNN's block width W on this CPU (32 or 64 outputs), fixed by the first weight onednn_gemv_layout accepts
+std::atomic<int64_t> g_width{0};
+
+// Where group j (outputs 32j..32j+31) of a packed weight starts; its k-pair rows are row_stride() apart.
+inline const uint16_t* group_data(const uint16_t* w, int64_t j, int64_t P) {
+  const int64_t W = g_width.load(std::memory_order_relaxed), per_block = W / kBlock;
+  return w + (j / per_block) * P * 2 * W + (j % per_block) * 2 * kBlock;
+}
+
+inline int64_t row_stride() { return 2 * g_width.load(std::memory_order_relaxed); }
+
 #ifdef QUIRE_ONEDNN_GEMV
 
 // sixteen sums (+ bias) to bfloat16, the first `count` stored
@@ -70,33 +85,56 @@ inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t cou
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
-// out[m][0:count] = pairs[m] . block for M rows; `pairs` holds each row's k-pairs (P of them, zero past K).
-template <int M>
-void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, uint16_t* out, int64_t out_stride,
-                const uint16_t* bias, int64_t count) {
-  __m512 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+// out[m][0:count] = pairs[m] . G groups side by side (G = 2: a whole block of W = 64, each k-pair row read in one
+// run of 256 bytes) for M rows; `pairs` holds each row's k-pairs (P of them, zero past K); the k-pair rows are
+// `stride` elements apart. Each output's sum takes the same steps whatever M and G, so the bits are the same.
+template <int M, int G>
+void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, int64_t stride, uint16_t* out,
+                int64_t out_stride, const uint16_t* bias, int64_t count) {
+  constexpr int V = 2 * G;  // vectors of 16 outputs
+  __m512 acc[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
-    const uint16_t* row = block + p * 2 * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * 2 * kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * 2 * kBlock + kBlock), _MM_HINT_T0);
-    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(row);
-    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(row + kBlock);
+    const uint16_t* row = block + p * stride;
+    __m512bh w[V];
+    for (int v = 0; v < V; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * stride + v * 32), _MM_HINT_T0);
+      w[v] = (__m512bh)_mm512_loadu_si512(row + v * 32);
+    }
     for (int m = 0; m < M; ++m) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[m * P + p]));
-      lo[m] = _mm512_dpbf16_ps(lo[m], w_lo, x);
-      hi[m] = _mm512_dpbf16_ps(hi[m], w_hi, x);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], x);
     }
   }
   for (int m = 0; m < M; ++m) {
-    store16(out + m * out_stride, lo[m], bias, std::min<int64_t>(count, 16));
-    if (count > 16) store16(out + m * out_stride + 16, hi[m], bias != nullptr ? bias + 16 : nullptr, count - 16);
+    for (int v = 0; v < V && 16 * v < count; ++v) {
+      store16(out + m * out_stride + 16 * v, acc[m][v], bias != nullptr ? bias + 16 * v : nullptr,
+              std::min<int64_t>(count - 16 * v, 16));
+    }
   }
 }
 
-using GemvFn = void (*)(const uint32_t*, int64_t, const uint16_t*, uint16_t*, int64_t, const uint16_t*, int64_t);
-constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>, gemv_block<4>,
-                                    gemv_block<5>, gemv_block<6>, gemv_block<7>, gemv_block<8>};
+using GemvFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, const uint16_t*,
+                        int64_t);
+constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1, 1>, gemv_block<2, 1>, gemv_block<3, 1>, gemv_block<4, 1>,
+                                    gemv_block<5, 1>, gemv_block<6, 1>, gemv_block<7, 1>, gemv_block<8, 1>};
+constexpr int64_t kWideRows = 4;  // whole 64-output blocks up to this many rows (4 x 4 accumulators)
+constexpr GemvFn kGemvWide[kWideRows] = {gemv_block<1, 2>, gemv_block<2, 2>, gemv_block<3, 2>, gemv_block<4, 2>};
+
+// out[m][0:count] for `count` (<= 64) outputs from group j on: a whole W = 64 block in one pass where it can,
+// else group by group.
+void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t j, uint16_t* out,
+                 int64_t out_stride, const uint16_t* bias, int64_t count) {
+  const int64_t stride = row_stride();
+  if (count > kBlock && M <= kWideRows && g_width.load(std::memory_order_relaxed) == 2 * kBlock && j % 2 == 0) {
+    return kGemvWide[M - 1](pairs, P, group_data(w, j, P), stride, out, out_stride, bias, count);
+  }
+  for (int64_t g = 0; g * kBlock < count; ++g) {
+    kGemv[M - 1](pairs, P, group_data(w, j + g, P), stride, out + g * kBlock, out_stride,
+                 bias != nullptr ? bias + g * kBlock : nullptr, std::min(kBlock, count - g * kBlock));
+  }
+}
 
 #endif  // QUIRE_ONEDNN_GEMV
 
@@ -105,6 +143,7 @@ constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1>, gemv_block<2>, gemv_block<3>
 // Tiles (quire::full_tile_config) 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x (32 k)
 // each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
 // sums[32 x 32] (row stride 32) = x rows [32, Kp] (row stride Kp) . one packed block of 32 outputs.
+// (W = 32 only: onednn_gemv_max_rows offers more than 8 rows just then.)
 inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
@@ -133,7 +172,7 @@ inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, floa
 
 int64_t onednn_gemv_max_rows() {
 #if defined(QUIRE_ONEDNN_AMX)
-  return quire::amx_permitted() ? kMaxRows : kGemvRows;
+  return quire::amx_permitted() && g_width.load() != 2 * kBlock ? kMaxRows : kGemvRows;
 #elif defined(QUIRE_ONEDNN_GEMV)
   return kGemvRows;
 #else
@@ -144,19 +183,28 @@ int64_t onednn_gemv_max_rows() {
 bool onednn_gemv_layout(torch::Tensor packed) {
 #ifdef QUIRE_ONEDNN_GEMV
   if (!packed.is_mkldnn() || packed.scalar_type() != at::kBFloat16 || packed.dim() != 2) return false;
-  const int64_t N = packed.size(0), K = packed.size(1);
-  const int64_t Np = quire::round_up(N, kBlock), Kp = quire::round_up(K, kBlock);
-  if (at::native::nbytes_from_mkldnn(packed) != Np * Kp * 2) return false;
+  const int64_t N = packed.size(0), K = packed.size(1), Kp = quire::round_up(K, kBlock);
   const auto dense = packed.to_dense().contiguous();
   const auto* plain = reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>());
   const auto* raw = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
-  for (int64_t n = 0; n < Np; ++n) {
-    for (int64_t k = 0; k < Kp; ++k) {
-      const uint16_t expected = n < N && k < K ? plain[n * K + k] : 0;
-      if (raw[((n / kBlock) * (Kp / 2) + k / 2) * 2 * kBlock + (n % kBlock) * 2 + k % 2] != expected) return false;
+  const int64_t bytes = at::native::nbytes_from_mkldnn(packed);
+  auto laid_out = [&](int64_t W) {
+    const int64_t Np = quire::round_up(N, W);
+    if (bytes != Np * Kp * 2) return false;
+    for (int64_t n = 0; n < Np; ++n) {
+      for (int64_t k = 0; k < Kp; ++k) {
+        const uint16_t expected = n < N && k < K ? plain[n * K + k] : 0;
+        if (raw[((n / W) * (Kp / 2) + k / 2) * 2 * W + (n % W) * 2 + k % 2] != expected) return false;
+      }
     }
+    return true;
+  };
+  for (const int64_t W : {kBlock, 2 * kBlock}) {
+    if (!laid_out(W)) continue;
+    int64_t unset = 0;
+    return g_width.compare_exchange_strong(unset, W) || unset == W;  // another W than the process's: refused
   }
-  return true;
+  return false;
 #else
   (void)packed;
   return false;
@@ -164,6 +212,10 @@ bool onednn_gemv_layout(torch::Tensor packed) {
 }
 
 namespace quire {
+
+int64_t onednn_gemv_block_groups() {
+  return g_width.load(std::memory_order_relaxed) == 2 * kBlock ? 2 : 1;
+}
 
 bool onednn_gemv_blocks_available() {
 #ifdef QUIRE_ONEDNN_GEMV
@@ -180,7 +232,7 @@ const uint16_t* onednn_packed_data(const torch::Tensor& packed) {
 void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
                        const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
 #ifdef QUIRE_ONEDNN_GEMV
-  kGemv[rows - 1](pairs, P, packed_data + block * P * 2 * kBlock, out, out_stride, bias, count);
+  gemv_groups(pairs, rows, P, packed_data, block, out, out_stride, bias, count);
 #else
   (void)pairs, (void)rows, (void)P, (void)packed_data, (void)block, (void)bias, (void)out, (void)out_stride,
       (void)count;
@@ -197,6 +249,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(M <= onednn_gemv_max_rows(), "onednn_gemv: at most ", onednn_gemv_max_rows(), " rows, got ", M);
   TORCH_CHECK(packed.size(1) == K, "onednn_gemv: x has ", K, " columns, the weight ", packed.size(1));
+  TORCH_CHECK(g_width.load() != 0, "onednn_gemv: no packed weight has passed onednn_gemv_layout yet");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   torch::Tensor bias_c;
@@ -220,7 +273,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
       _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
       alignas(64) float sums[32 * 32];
       for (int64_t b = begin; b < end; ++b) {
-        const uint16_t* block = w + b * P * 2 * kBlock;
+        const uint16_t* block = group_data(w, b, P);
         const int64_t n0 = b * kBlock, count = std::min(kBlock, N - n0);
         for (int64_t r0 = 0; r0 < M; r0 += 32) {
           amx_block(padded.data() + r0 * Kp, Kp, block, sums);
@@ -242,10 +295,12 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 #endif
   std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
   for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
-  quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      kGemv[M - 1](pairs.data(), P, w + b * P * 2 * kBlock, y + b * kBlock, N,
-                   bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(kBlock, N - b * kBlock));
+  const int64_t unit = quire::onednn_gemv_block_groups(), units = (blocks + unit - 1) / unit;
+  quire::parallel_chunks(0, units, quire::chunk_size(units, 1, 4), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u * unit;
+      gemv_groups(pairs.data(), M, P, w, b, y + b * kBlock, N, bias_p != nullptr ? bias_p + b * kBlock : nullptr,
+                  std::min(unit * kBlock, N - b * kBlock));
     }
   });
   return out;
@@ -264,7 +319,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 // approximate logit is an exact integer dot product times two scales, and a bound on its distance to the
 // logit onednn_gemv would compute (the weight's and x's rounding, float32 summation, bfloat16 output
 // rounding) leaves only the outputs whose upper bound reaches the best lower bound. Only their 32-output
-// blocks are then computed the way onednn_gemv computes them (gemv_block<1>, the same bits at every batch size
+// blocks are then computed the way onednn_gemv computes them (gemv_block<1, 1>, the same bits at every batch size
 // up to 8), so the token is exactly onednn_gemv's argmax: the first index of the largest bfloat16 logit.
 // Returns an empty tensor where it cannot decide cheaply (x not finite or all zero, too many candidates):
 // the caller then computes the full logits.
@@ -425,7 +480,7 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
     alignas(64) uint16_t logits[kBlock];
     for (const int64_t b : blocks) {
       const int64_t count = std::min(kBlock, N - b * kBlock);
-      gemv_block<1>(pairs.data(), P, w + b * P * 2 * kBlock, logits, kBlock, nullptr, count);
+      gemv_block<1, 1>(pairs.data(), P, group_data(w, b, P), row_stride(), logits, kBlock, nullptr, count);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t n = b * kBlock + i;
         if (static_cast<double>(approx[m * N + n]) + static_cast<double>(radius[m * N + n]) < cut) continue;
