@@ -68,13 +68,16 @@ constexpr int64_t kMaxRows = kGemvRows;
 // oneDNN's block width W on this CPU (32 or 64 outputs), fixed by the first weight onednn_gemv_layout accepts
 std::atomic<int64_t> g_width{0};
 
+// oneDNN's block width for the kernels (32 until a weight has been accepted: callers check one first)
+inline int64_t block_width() { return std::max<int64_t>(g_width.load(std::memory_order_relaxed), kBlock); }
+
 // Where group j (outputs 32j..32j+31) of a packed weight starts; its k-pair rows are row_stride() apart.
 inline const uint16_t* group_data(const uint16_t* w, int64_t j, int64_t P) {
-  const int64_t W = g_width.load(std::memory_order_relaxed), per_block = W / kBlock;
+  const int64_t W = block_width(), per_block = W / kBlock;
   return w + (j / per_block) * P * 2 * W + (j % per_block) * 2 * kBlock;
 }
 
-inline int64_t row_stride() { return 2 * g_width.load(std::memory_order_relaxed); }
+inline int64_t row_stride() { return 2 * block_width(); }
 
 #ifdef QUIRE_ONEDNN_GEMV
 
@@ -370,7 +373,8 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
   TORCH_CHECK(bound.dim() == 2 && bound.size(0) == 3 && bound.size(1) == N && bound.scalar_type() == at::kFloat &&
                   bound.is_contiguous(), "greedy_head_tokens: bound must be float32 [3, N]");
   auto none = torch::empty({0}, x.options().dtype(at::kLong));
-  if (M == 0 || M > kGreedyMaxRows || K % 32 != 0) return none;
+  // (no weight accepted by onednn_gemv_layout yet: the head's layout is unknown)
+  if (M == 0 || M > kGreedyMaxRows || K % 32 != 0 || g_width.load() == 0) return none;
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   quire::screen::QuantizedRows rows;
