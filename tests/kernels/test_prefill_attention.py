@@ -85,7 +85,9 @@ def test_attention_takes_it_only_where_it_runs_and_not_beside_avx512_bf16_withou
     float32 order was enough there for bfloat16 greedy ids to leave transformers' where margins are clear)."""
     for head_dim in (16, 32, 48, 64, 128, 256, 272):
         assert CPU_KERNELS.prefill_attention_available(head_dim) <= CPU_KERNELS.prefill_attention_runs(head_dim)
-    if "avx512_bf16" in open("/proc/cpuinfo").read() and "amx_bf16" not in open("/proc/cpuinfo").read():
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = cpuinfo.read()
+    if "avx512_bf16" in flags and "amx_bf16" not in flags:
         assert not any(CPU_KERNELS.prefill_attention_available(d) for d in (32, 48, 64, 128))
 
 

@@ -92,6 +92,7 @@ class OutputProcessor:
         params = request.sampling_params
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
+        stream_interval = max(self.stream_interval, params.stream_interval or 1)
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id, index=index, parent=parent, prompt=prompt,
             prompt_token_ids=request.prompt_token_ids, output_kind=params.output_kind,
@@ -100,12 +101,11 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    engine_index=request.data_parallel_rank or 0),
-            stream_interval=max(self.stream_interval, params.stream_interval or 1),
+            stream_interval=stream_interval,
             stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else request.eos_token_ids),
             is_pooling=request.pooling_params is not None,
             plain=(parent is None and params.output_kind == RequestOutputKind.DELTA and params.logprobs is None
-                   and params.prompt_logprobs is None and request.pooling_params is None
-                   and max(self.stream_interval, params.stream_interval or 1) == 1),
+                   and params.prompt_logprobs is None and request.pooling_params is None and stream_interval == 1),
         )
         if params.structured_outputs is not None:
             self.request_states[request.request_id].metrics.structured_output_backend = \
