@@ -92,3 +92,39 @@ def test_a_sink_takes_outputs_only_while_the_reader_waits_and_never_the_final_on
         assert collector.sink is None
 
     asyncio.run(main())
+
+
+def test_a_text_sink_is_offered_steps_only_while_the_reader_waits_with_nothing_queued():
+    from quire.core.engine.output_collector import RequestStream
+
+    class Processor:
+        def set_text_sink(self, request_id, sink):
+            self.request_id, self.offer = request_id, sink
+            return True
+
+    async def main():
+        engine = _Engine()
+        engine.output_processor = Processor()
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        stream = RequestStream(engine, "r", collector, [1], None)
+        taken = []
+
+        def sink(text, token_ids):
+            taken.append(text)
+            return text != "declined"
+
+        assert stream.set_text_sink(sink)
+        offer = engine.output_processor.offer
+        assert engine.output_processor.request_id == "r" and offer is not None
+        assert not offer("early", [1]) and taken == []  # nobody waits yet
+        reader = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0)
+        assert offer("a", [2]) and offer("b", [3]) and taken == ["a", "b"]
+        assert not offer("declined", [4]) and taken == ["a", "b", "declined"]
+        collector.put(output("queued", [5]))  # the reader's: later steps must not overtake it
+        assert not offer("c", [6]) and taken == ["a", "b", "declined"]
+        assert (await reader).outputs[0].text == "queued"
+        assert stream.set_text_sink(None)
+        assert engine.output_processor.offer is None and collector.text_sink is None
+
+    asyncio.run(main())

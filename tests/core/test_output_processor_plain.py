@@ -1,4 +1,4 @@
-"""The output processor's one-call path for plain streamed requests (``_plain_output``: a delta stream of
+"""The output processor's one-call path for plain streamed requests (``_plain_step``: a delta stream of
 its own, every token sent, no logprobs) gives exactly the outputs, aborts and metrics of the general path,
 stop strings, multi-token steps, cached prefixes and the final output included."""
 
@@ -28,9 +28,9 @@ class Counting(OutputProcessor):
         if self.force_general:
             self.request_states[request.request_id].plain = False
 
-    def _plain_output(self, state, new_token_ids, now):
+    def _plain_step(self, state, new_token_ids, now):
         self.plain_outputs += 1
-        return super()._plain_output(state, new_token_ids, now)
+        return super()._plain_step(state, new_token_ids, now)
 
 
 def run(tokenizer, params: SamplingParams, pattern: list[int], force_general: bool, cached: int = 0):
@@ -92,3 +92,64 @@ def test_plain_outputs_equal_the_general_paths(tiny_tokenizer, params, steps, ca
 def test_other_requests_keep_the_general_path(tiny_tokenizer, params):
     _, _, processor = run(tiny_tokenizer, params, [1], force_general=False)
     assert processor.plain_outputs == 0
+
+
+def steps_of(tokenizer, params: SamplingParams, pattern: list[int], take=None):
+    """Like ``run``, but per request the (text, token ids, finish reason, stop reason) of each step in order,
+    whether an output carried it or, with ``take`` (step number -> whether the sink takes it), the text sink;
+    also the steps the sink was offered, and ``set_text_sink``'s answers."""
+    ids = tokenizer.encode(TEXT)
+    steps = []
+    while sum(steps) < len(ids):
+        steps += pattern
+    processor = OutputProcessor(tokenizer)
+    seen = {"a": [], "b": []}
+    offered, answers, number = [], [], 0
+    for name in ("a", "b"):
+        processor.add_request(EngineCoreRequest(name, tokenizer.encode("Say:"), params, [], 0.0), "Say:")
+        if take is not None:
+            def sink(text, token_ids, name=name):
+                offered.append(number)
+                if not take(number):
+                    return False
+                seen[name].append((text, token_ids, None, None))
+                return True
+            answers.append(processor.set_text_sink(name, sink))
+    position = 0
+    for number, size in enumerate(steps):
+        new = ids[position:position + size]
+        position += size
+        last = number == len(steps) - 1
+        batch = [EngineCoreOutput(name, new, FinishReason.LENGTH if last else None)
+                 for name in ("a", "b") if name in processor.request_states]
+        for out in processor.process_outputs(batch)[0]:
+            completion = out.outputs[0]
+            seen[out.request_id].append((completion.text, completion.token_ids, completion.finish_reason,
+                                         completion.stop_reason))
+    return seen, offered, answers, len(steps)
+
+
+@pytest.mark.parametrize("stop", [None, ["stop word"]])
+@pytest.mark.parametrize("pattern", [[1], [1, 3, 2]])
+def test_a_text_sink_takes_plain_steps_in_place_of_their_outputs(tiny_tokenizer, stop, pattern):
+    params = SamplingParams(max_tokens=100, output_kind=RequestOutputKind.DELTA, stop=stop)
+    general, _, _, _ = steps_of(tiny_tokenizer, params, pattern)
+    taken, offered, answers, num_steps = steps_of(tiny_tokenizer, params, pattern, take=lambda n: n % 3 != 1)
+    assert answers == [True, True]
+    assert taken == general  # the same steps, texts and token ids, whichever way each went
+    assert offered and num_steps - 1 not in offered  # the final step is never offered
+    if stop:  # the stop string's step is not offered either: it ends the request early
+        assert max(offered) < len(general["a"]) - 1
+    # declined steps (every third) still reach the caller as outputs
+    assert any(n % 3 == 1 for n in offered)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=100, output_kind=RequestOutputKind.CUMULATIVE),
+    SamplingParams(max_tokens=100, output_kind=RequestOutputKind.DELTA, logprobs=1),
+    SamplingParams(max_tokens=100, output_kind=RequestOutputKind.DELTA, stream_interval=2),
+])
+def test_a_text_sink_is_refused_for_requests_that_are_not_plain(tiny_tokenizer, params):
+    taken, offered, answers, _ = steps_of(tiny_tokenizer, params, [1], take=lambda n: True)
+    assert answers == [False, False] and offered == []
+    assert taken == steps_of(tiny_tokenizer, params, [1])[0]

@@ -125,15 +125,24 @@ def test_a_client_that_leaves_stops_the_event_stream_and_closes_its_generator():
     assert closed == [True] and cancelling == 0  # the disconnect's cancellation does not leak out
 
 
-def _direct_event_stream(gate_first_direct_write: bool = False, fail_on: str | None = None):
+def _direct_event_stream(gate_first_direct_write: bool = False, fail_on: str | None = None,
+                         text_lane: list | None = None):
     """An ``EventStream`` over a real ``RequestStream``: returns the collector to put outputs into, the bodies
-    written so far, the response's task and the gate that holds the first direct write (back-pressure)."""
+    written so far, the response's task and the gate that holds the first direct write (back-pressure).
+    ``text_lane``: a list that receives the text sink's offer function (what the output processor calls with a
+    plain step's text and token ids); its encoder declines text "slow"."""
     from quire.core.engine.output_collector import RequestOutputCollector, RequestStream
     from quire.core.outputs import CompletionOutput, RequestOutput
     from quire.core.sampling_params import RequestOutputKind
 
+    class Processor:
+        def set_text_sink(self, request_id, offer):
+            text_lane.append(offer)
+            return True
+
     class Engine:
         collectors: dict = {}
+        output_processor = Processor()
 
         def _abort_now(self, request_ids):
             pass
@@ -170,7 +179,10 @@ def _direct_event_stream(gate_first_direct_write: bool = False, fail_on: str | N
     async def send(message):
         pass
 
-    response = EventStream(events(), (stream, events_of))
+    def text_of(text: str, token_ids: list[int]) -> bytes | None:
+        return None if text == "slow" else text.encode()
+
+    response = EventStream(events(), (stream, events_of) if text_lane is None else (stream, events_of, text_of))
     task = asyncio.ensure_future(response({"type": "http", OUTER_SEND: outer_send}, receive, send))
 
     def put(text: str, finished: bool = False):
@@ -221,3 +233,137 @@ def test_an_output_the_direct_lane_cannot_encode_goes_to_the_pump_which_reports_
         return written
 
     assert asyncio.run(run()) == [b"a", b"error", b"end", b""]
+
+
+def test_plain_steps_go_through_the_text_sink_at_the_end_of_the_step_in_order_with_the_outputs():
+    async def run():
+        lane = []
+        put, written, task, _ = _direct_event_stream(text_lane=lane)
+        await asyncio.sleep(0.01)  # the pump waits on the stream
+        offer = lane[0]
+        assert offer("a", [7]) and written == []  # taken, no output object built, held for the step's end
+        await asyncio.sleep(0)
+        assert written == [b"a"]
+        assert offer("b", [7]) and offer("c", [7])  # two steps before the loop came round: one write
+        assert not offer("slow", [7])  # the encoder declines: the caller builds the output instead ...
+        put("slow")  # ... and its direct write comes after what the lane held
+        assert written == [b"a", b"bc", b"slow"]
+        assert offer("d", [7])
+        put("e", finished=True)  # the pump writes the final output after what the lane held
+        await asyncio.wait_for(task, 5)
+        assert lane[-1] is None  # the response removed its text sink at the end
+        return written
+
+    assert asyncio.run(run()) == [b"a", b"bc", b"slow", b"d", b"e", b"end", b""]
+
+
+def test_a_text_sink_write_held_by_back_pressure_keeps_later_steps_behind_it():
+    async def run():
+        lane = []
+        put, written, task, gate = _direct_event_stream(gate_first_direct_write=True, text_lane=lane)
+        await asyncio.sleep(0.01)
+        offer = lane[0]
+        assert offer("a", [7])
+        await asyncio.sleep(0)  # written at the step's end, and held: the client is not reading
+        assert not offer("b", [7])  # declined while "a" waits ...
+        put("b")  # ... so it is built and queued for the pump
+        assert not offer("c", [7])  # and nothing overtakes it
+        put("c")
+        await asyncio.sleep(0.01)
+        assert written == []
+        gate.set_result(None)
+        await asyncio.sleep(0.01)
+        put("d", finished=True)
+        await asyncio.wait_for(task, 5)
+        return written
+
+    assert asyncio.run(run()) == [b"a", b"bc", b"d", b"end", b""]
+
+
+class _Transport:
+    def __init__(self):
+        self.data = b""
+
+    def write(self, data):
+        self.data += data
+
+
+class _Flow:
+    write_paused = False
+
+
+class _Cycle:
+    """The parts of uvicorn's httptools ``RequestResponseCycle`` that ``raw_chunk_writer`` relies on."""
+
+    def __init__(self, method="POST", chunked=True):
+        self.transport, self.flow, self.scope = _Transport(), _Flow(), {"method": method}
+        self.disconnected, self.response_started, self.response_complete = False, True, False
+        self.chunked_encoding = chunked
+
+    async def send(self, message):
+        raise AssertionError("not used here")
+
+
+_Cycle.__module__ = "uvicorn.protocols.http.httptools_impl"
+
+
+def test_the_raw_chunk_writer_frames_chunks_as_uvicorn_and_steps_aside_when_it_must():
+    from quire.openai_server.serving import raw_chunk_writer
+
+    cycle = _Cycle()
+    write = raw_chunk_writer(cycle.send)
+    assert write(b"data: x\n\n") and cycle.transport.data == b"9\r\ndata: x\n\n\r\n"
+    cycle.flow.write_paused = True  # the client reads slowly: ``send`` waits, the writer does not write
+    assert not write(b"y") and cycle.transport.data == b"9\r\ndata: x\n\n\r\n"
+    cycle.flow.write_paused, cycle.disconnected = False, True
+    assert not write(b"y")
+    cycle.disconnected, cycle.response_complete = False, True
+    assert not write(b"y")
+    assert raw_chunk_writer(_Cycle(method="HEAD").send) is None
+    assert raw_chunk_writer(_Cycle(chunked=False).send) is None
+
+    async def send(message):
+        pass
+
+    assert raw_chunk_writer(send) is None  # another server's send: the ASGI way
+
+
+def test_the_raw_chunk_writer_under_the_real_uvicorn_gives_the_chunks_the_client_reads():
+    import httpx
+    import uvicorn
+
+    from quire.openai_server.serving import raw_chunk_writer
+    from tests.servers import free_port
+
+    found = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        write = raw_chunk_writer(send)
+        found.append(write is not None)
+        for part in (b"one ", b"two ", b"three"):
+            assert write(part)
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               http="httptools", lifespan="off"))
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(100):
+                    if server.started:
+                        break
+                    await asyncio.sleep(0.05)
+                response = await client.get(f"http://127.0.0.1:{port}/")
+                return response.status_code, response.text, response.headers.get("transfer-encoding")
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(serving, 10)
+
+    assert asyncio.run(main()) == (200, "one two three", "chunked")
+    assert found == [True]

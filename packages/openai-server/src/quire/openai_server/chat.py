@@ -65,7 +65,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     parsers = OutputParsers(settings, tools)
     if body.stream:
         events = _ChatEvents(state, body, rid, num_prompt_tokens, parsers)
-        return EventStream(_stream(events, stream), (stream, events.of))
+        return EventStream(_stream(events, stream), (stream, events.of, events.text_of))
     output = await until_disconnect(request, _final(stream))
     if output is None:
         return None
@@ -200,6 +200,16 @@ class _ChatEvents:
         self.called: set[int] = set()
         self.started: set[int] = set()
         self.completion_tokens = 0
+        # a streamed token is the usual content chunk (``text_of``) unless parsers or the chunks want more
+        self.plain = not (parsers.enabled or self.continuous or body.logprobs)
+
+    def text_of(self, text: str, token_ids: list[int]) -> bytes | None:
+        """The event of an unfinished step of the only completion that carries no more than new text and token
+        ids, as ``of`` writes it; None when ``of`` is needed (the first chunk, no text, chunks that carry more)."""
+        if not (self.plain and text and 0 in self.started):
+            return None
+        self.completion_tokens += len(token_ids)
+        return self.writer.text(0, text)
 
     def _chunk(self, choices, usage_tokens=None, exact_floats=False) -> bytes:
         usage = None if usage_tokens is None else {

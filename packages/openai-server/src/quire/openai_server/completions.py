@@ -67,7 +67,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     counts = [len(stream.prompt_token_ids) for stream in streams]
     if body.stream:
         events = _CompletionEvents(state, body, base_id, prompt_texts, counts)
-        direct = (streams[0], functools.partial(events.of, 0)) if len(streams) == 1 else None
+        direct = (streams[0], functools.partial(events.of, 0), events.text_of) if len(streams) == 1 else None
         return EventStream(_stream(events, streams), direct)
     outputs = await until_disconnect(request, _collect(streams))
     if outputs is None:
@@ -141,6 +141,16 @@ class _CompletionEvents:
         self.with_logprobs = body.logprobs is not None
         self.echoed: set[int] = set()
         self.completion_tokens = 0
+        # a streamed token is the usual text chunk (``text_of``) unless the chunks carry more than text
+        self.plain = not (self.continuous or self.with_logprobs or body.echo)
+
+    def text_of(self, text: str, token_ids: list[int]) -> bytes | None:
+        """The event of an unfinished step of a one-prompt request's only completion that carries no more than
+        new text and token ids, as ``of`` writes it; None when the chunks carry more (``of`` then)."""
+        if not self.plain:
+            return None
+        self.completion_tokens += len(token_ids)
+        return self.writer.text(0, text)
 
     def of(self, prompt_index: int, output: RequestOutput) -> bytes:
         """The events of one output of prompt ``prompt_index`` (empty when it carries nothing to send)."""

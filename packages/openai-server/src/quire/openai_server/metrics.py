@@ -129,11 +129,15 @@ class EngineSeries:
         self._accepted_per_pos_family = metrics.accepted_per_pos
         self._lora_info_family = metrics.lora_info
         self._lora_info_labels: tuple[str, ...] | None = None  # this engine's current series
+        self._gauges: tuple | None = None  # the running, waiting and KV-cache gauges' values last set
 
     def record_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running_reqs)
-        self.waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
+        gauges = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+        if gauges != self._gauges:  # a gauge's set takes a lock: most steps change none of them
+            self._gauges = gauges
+            self.running.set(stats.num_running_reqs)
+            self.waiting.set(stats.num_waiting_reqs)
+            self.kv_cache_usage.set(stats.kv_cache_usage)
         for name, total in self._engine_totals.items():
             new_total = getattr(stats, name)  # cumulative in the engine: add what is new
             if new_total > total:

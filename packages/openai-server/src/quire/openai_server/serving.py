@@ -11,6 +11,7 @@ import hashlib
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -324,21 +325,28 @@ class EventStream(Response):
     and the events are written there and then (``OutputStream.set_sink``): a streamed token wakes no task
     of the response's. The final output, and any output the function fails on, reach ``events`` as usual,
     in order. (With several streams a merging queue sits between them and ``events``, and outputs written
-    directly could overtake queued ones.)
+    directly could overtake queued ones.) A third item, when there, turns a plain step's new text and token ids
+    into its events, or returns None to have the step built as an output and go the way above: the stream's
+    text sink (``set_text_sink``) then takes those steps before any output object is made.
     A client that disconnects cancels the stream, whose generator then aborts its requests.
     """
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes],
-                 direct: tuple[Any, Callable[[RequestOutput], bytes]] | None = None):
+                 direct: tuple[Any, Callable[[RequestOutput], bytes]]
+                 | tuple[Any, Callable[[RequestOutput], bytes], Callable[[str, list[int]], bytes | None]]
+                 | None = None):
         self.events = events
         self.direct = direct
         self.status_code = 200
         self.background = None
         self.init_headers(None)
         self._writing: asyncio.Future | None = None  # a direct write held up by the server's back-pressure
+        # (send, the text encoder, the pump, raw_chunk_writer's writer) while a text sink is set
+        self._text_lane: tuple | None = None
         self._send_failed = False
+        self._deferred: bytes | None = None  # the text lane's events held for the end of the step
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -357,9 +365,13 @@ class EventStream(Response):
 
         watcher = asyncio.ensure_future(watch())
         stream = None
+        text_sink = False
         if self.direct is not None and hasattr(self.direct[0], "set_sink"):
-            stream, encode = self.direct
+            stream, encode = self.direct[:2]
             stream.set_sink(functools.partial(self._write_now, send_event, encode, pump))
+            if len(self.direct) > 2 and hasattr(stream, "set_text_sink"):
+                self._text_lane = (send_event, self.direct[2], pump, raw_chunk_writer(send_event))
+                text_sink = stream.set_text_sink(self._write_text)
         try:
             await pump  # cancelling this task cancels the pump too
         except asyncio.CancelledError:
@@ -369,15 +381,20 @@ class EventStream(Response):
         finally:
             if stream is not None:
                 stream.set_sink(None)
+                if text_sink:
+                    stream.set_text_sink(None)
             watcher.cancel()
             if not pump.done():
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
+            self._deferred = None  # a response cut short drops what it held
             if self._writing is not None and not self._writing.done():
                 self._writing.cancel()
 
     def _write_now(self, send_event, encode, pump: asyncio.Future, output: RequestOutput) -> bool:
         """The sink: write ``output``'s event without waiting, or return False to leave it to the pump."""
+        if self._deferred is not None:
+            self._flush_deferred()
         writing = self._writing
         if writing is not None:
             if not writing.done() or writing.cancelled() or writing.exception() is not None:
@@ -391,6 +408,37 @@ class EventStream(Response):
             return False
         if not body:
             return True  # nothing to write (no new text)
+        return self._send_now(send_event, pump, body)
+
+    def _write_text(self, text: str, token_ids: list[int]) -> bool:
+        """The text sink: take a plain step's event, or return False to have it built as an output and go the
+        usual way (``_write_now``, then the pump). The event is written when the output handler's step is done
+        (``_defer_write``), with every other response's: a step's writes then leave in one burst. A write
+        wakes its client, which the kernel may run on this core, ahead of the rest of the step's work, if that
+        still has to run (measured: 18x the involuntary context switches and ~10% more CPU a token)."""
+        if self._writing is not None or self._send_failed:
+            return False
+        body = self._text_lane[1](text, token_ids)
+        if body is None:
+            return False
+        if self._deferred is None:
+            self._deferred = body
+            _defer_write(self)
+        else:
+            self._deferred += body  # several steps before the loop came round: one write
+        return True
+
+    def _flush_deferred(self) -> None:
+        """Write what ``_write_text`` holds: straight to the transport when ``raw_chunk_writer`` can, else by
+        ``send``. Everything else that writes to this response calls this first, so the order holds."""
+        body, self._deferred = self._deferred, None
+        if body is None or self._send_failed:
+            return
+        send_event, _, pump, write_raw = self._text_lane
+        if write_raw is None or not write_raw(body):
+            self._send_now(send_event, pump, body)
+
+    def _send_now(self, send_event, pump: asyncio.Future, body: bytes) -> bool:
         sending = send_event({"type": "http.response.body", "body": body, "more_body": True})
         try:
             waiting_on = sending.send(None)
@@ -407,14 +455,69 @@ class EventStream(Response):
     async def _pump(self, send_event) -> None:
         try:
             async for event in self.events:
+                if self._deferred is not None:
+                    self._flush_deferred()
                 if self._writing is not None:
                     await self._writing
                 await send_event({"type": "http.response.body", "body": event, "more_body": True})
+            if self._deferred is not None:
+                self._flush_deferred()
             if self._writing is not None:
                 await self._writing
             await send_event({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.events.aclose()
+
+
+# Per event loop, the responses whose text-lane events wait for the end of the current step.
+_DEFERRED_WRITES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[EventStream]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _defer_write(response: EventStream) -> None:
+    """Have ``response``'s held events written once the running callback (the output handler's step) is done."""
+    loop = asyncio.get_running_loop()
+    batch = _DEFERRED_WRITES.get(loop)
+    if batch is None:
+        batch = _DEFERRED_WRITES[loop] = []
+        loop.call_soon(_flush_deferred_writes, loop, batch)
+    batch.append(response)
+
+
+def _flush_deferred_writes(loop: asyncio.AbstractEventLoop, batch: list[EventStream]) -> None:
+    if _DEFERRED_WRITES.get(loop) is batch:
+        del _DEFERRED_WRITES[loop]
+    for response in batch:
+        response._flush_deferred()
+
+
+_HTTPTOOLS_CYCLE = ("transport", "flow", "disconnected", "response_started", "response_complete",
+                    "chunked_encoding", "scope")
+
+
+def raw_chunk_writer(send_event) -> Callable[[bytes], bool] | None:
+    """uvicorn's httptools protocol writes each chunk of a streamed body as ``<size in hex>\r\n<chunk>\r\n`` on
+    its transport, when the response is chunked, started and unfinished, the client connected and the
+    transport not paused. The writer returned does exactly that for a response whose start was sent, without
+    the coroutine, message and checks of ``send`` per chunk (several microseconds a streamed token), and
+    returns False whenever one of those conditions fails: ``send`` then takes the chunk (it waits for a
+    paused transport, drops writes to a gone client). None unless ``send_event`` is that protocol's ``send``
+    on a chunked, started response to a request other than HEAD."""
+    cycle = getattr(send_event, "__self__", None)
+    if (type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl"
+            or getattr(send_event, "__name__", None) != "send"
+            or not all(hasattr(cycle, name) for name in _HTTPTOOLS_CYCLE)
+            or not (cycle.response_started and cycle.chunked_encoding) or cycle.scope.get("method") == "HEAD"):
+        return None
+    transport, flow = cycle.transport, cycle.flow
+
+    def write(body: bytes) -> bool:
+        if flow.write_paused or cycle.disconnected or cycle.response_complete or not body:
+            return False
+        transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return True
+
+    return write
 
 
 async def _resume(coroutine, waiting_on) -> None:

@@ -1,10 +1,15 @@
 """Incremental detokenization and stop strings, per request, in the front end.
 
 Text grows through ``tokenizers``' ``DecodeStream``, which withholds a token until its bytes form whole
-characters, so a multi-byte character split over tokens is never emitted as U+FFFD mid-stream.
+characters, so a multi-byte character split over tokens is never emitted as U+FFFD mid-stream. Byte-level
+BPE tokenizers (GPT-2's decoder, used by Llama 3, Qwen, SmolLM2 and the test checkpoints) decode by joining
+each token's fixed bytes: for them a table of those bytes (``BytePieces``) and an incremental UTF-8 decoder,
+which holds back an incomplete character the same way, give the same text for a fraction of the work.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from tokenizers.decoders import DecodeStream
 
@@ -14,10 +19,62 @@ from quire.core.sampling_params import SamplingParams
 _PROMPT_CONTEXT_TOKENS = 8
 
 
-class IncrementalDetokenizer:
-    """Accumulates a request's output text; finds stop strings; withholds text that may become one."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """The characters a byte-level BPE vocabulary spells bytes with: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(0x100 + extra)] = byte
+            extra += 1
+    return alphabet
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+
+class BytePieces:
+    """Every token id's bytes under a byte-level decoder, as ``tokenizers`` decodes them: a token spelled in
+    the byte alphabet gives those bytes, any other (an added token with a space, say) its UTF-8; special
+    tokens give nothing when skipped. ``of`` builds it for a tokenizer, or returns None for any other decoder
+    (or if a single-token decode disagrees with the table anywhere)."""
+
+    def __init__(self, pieces: list[bytes], special_ids: frozenset[int]):
+        self.pieces = pieces
+        self.skipping = [b"" if i in special_ids else piece for i, piece in enumerate(pieces)]
+
+    @classmethod
+    def of(cls, tokenizer) -> BytePieces | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        alphabet = _byte_level_alphabet()
+        pieces = []
+        for token_id in range(size):
+            token = backend.id_to_token(token_id)
+            if token is None:
+                pieces.append(b"")
+            elif all(c in alphabet for c in token):
+                pieces.append(bytes(alphabet[c] for c in token))
+            else:
+                pieces.append(token.encode())
+        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        table = cls(pieces, special)
+        # the table must say what the tokenizer says, token by token (a token whose bytes are not whole
+        # characters decodes to U+FFFD on its own, which the lossy decode agrees with)
+        decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        if any(text != piece.decode("utf-8", "replace") for text, piece in zip(decoded, pieces)):
+            return None
+        return table
+
+
+class IncrementalDetokenizer:
+    """Accumulates a request's output text; finds stop strings; withholds text that may become one.
+    ``pieces``: the tokenizer's ``BytePieces`` when it has them (the output processor builds them once)."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 pieces: BytePieces | None = None):
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         # Fast tokenizers ignore spaces_between_special_tokens; emulate False by dropping the space a
@@ -26,8 +83,13 @@ class IncrementalDetokenizer:
                              if not (params.spaces_between_special_tokens or params.skip_special_tokens)
                              else frozenset())
         self._previous_token: int | None = None
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
-                                    skip_special_tokens=params.skip_special_tokens)
+        if pieces is not None:
+            self._pieces = pieces.skipping if params.skip_special_tokens else pieces.pieces
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace").decode
+        else:
+            self._pieces = None
+            self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
+                                        skip_special_tokens=params.skip_special_tokens)
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -35,6 +97,8 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.output_text = ""
         self._sent_text_offset = 0
+        # byte pieces, no stop strings, no special-token spacing to emulate: ``add_simple`` may be used
+        self.simple = self._pieces is not None and not self._stop and not self._special_ids
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add tokens; return the stop string if one completed (later tokens are then dropped).
@@ -42,12 +106,16 @@ class IncrementalDetokenizer:
         ``stop_terminated``: the engine stopped on the last token (EOS or a stop token id), whose
         text is left out unless ``include_stop_str_in_output``.
         """
+        pieces = self._pieces
         for i, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
             is_stop_token = stop_terminated and i == len(new_token_ids) - 1
             if is_stop_token and not self._include_stop:
                 break
-            piece = self._stream.step(self._backend, token_id)
+            if pieces is None:
+                piece = self._stream.step(self._backend, token_id)
+            else:
+                piece = self._utf8(pieces[token_id] if 0 <= token_id < len(pieces) else b"")
             if piece and token_id in self._special_ids and self._previous_token in self._special_ids:
                 piece = piece.removeprefix(" ")
             self._previous_token = token_id
@@ -59,6 +127,18 @@ class IncrementalDetokenizer:
                 if stop is not None:
                     return stop
         return None
+
+    def add_simple(self, token_id: int) -> str:
+        """``update([token_id], False)`` then ``next_text(False, True)``, when ``simple``: the new text."""
+        self.token_ids.append(token_id)
+        pieces = self._pieces
+        piece = self._utf8(pieces[token_id] if 0 <= token_id < len(pieces) else b"")
+        self._previous_token = token_id
+        if piece:
+            self.output_text += piece
+        text = self.output_text[self._sent_text_offset:]
+        self._sent_text_offset = len(self.output_text)
+        return text
 
     def finish(self, stop_terminated: bool) -> None:
         """Flush bytes the stream still holds (an incomplete character at the very end)."""

@@ -35,6 +35,8 @@ class RequestOutputCollector:
         # A consumer's synchronous hand-off (``RequestStream.set_sink``): offered each output while the
         # consumer waits with nothing pending; True means it was delivered there and then.
         self.sink: Callable[[RequestOutput], bool] | None = None
+        # The same for a plain request's unfinished steps, as new text and token ids (``set_text_sink``).
+        self.text_sink: Callable[[str, list[int]], bool] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         pending = self._pending
@@ -49,6 +51,13 @@ class RequestOutputCollector:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def offer_text(self, text: str, token_ids: list[int]) -> bool:
+        """The output processor's text hand-off: the text sink takes a step while the consumer waits with
+        nothing pending (True), or the step goes the usual way as an output (False)."""
+        waiter = self._waiter
+        return (self._pending is None and waiter is not None and not waiter.done() and self.text_sink is not None
+                and self.text_sink(text, token_ids))
 
     def get_nowait(self) -> RequestOutput | None:
         item, self._pending = self._pending, None
@@ -105,6 +114,16 @@ class RequestStream:
         the reader always gets it, and anything the sink declines, in order. A streaming server writes each
         output's events this way, without waking the reader's task for every token. None removes the sink."""
         self._collector.sink = sink
+
+    def set_text_sink(self, sink: Callable[[str, list[int]], bool] | None) -> bool:
+        """Like ``set_sink``, one step earlier: while this stream's reader waits with nothing queued, each unfinished
+        step of a plain request (a delta stream of its own, every token sent, no logprobs) with nothing else on
+        it is offered to ``sink(text, token_ids)`` before any ``RequestOutput`` is built; one it declines is
+        built and delivered as usual (the ``set_sink`` sink first). False when the request does not qualify
+        (nothing set); None removes the sink."""
+        self._collector.text_sink = sink
+        return self._engine.output_processor.set_text_sink(
+            self.request_id, None if sink is None else self._collector.offer_text)
 
     async def __anext__(self) -> RequestOutput:
         if self._finished:

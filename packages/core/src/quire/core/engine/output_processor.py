@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
-from quire.core.engine.detokenizer import IncrementalDetokenizer
+from quire.core.engine.detokenizer import BytePieces, IncrementalDetokenizer
 from quire.core.engine.logprobs import LogprobsAccumulator
 from quire.core.errors import ValidationError
 from quire.core.outputs import (
@@ -51,6 +52,9 @@ class RequestState:
     # A delta stream of its own (no parent), every token sent, no logprobs: its unfinished outputs take
     # ``OutputProcessor._plain_output``.
     plain: bool = False
+    # A consumer's hand-off for a plain request's unfinished steps, called with the new text and token ids
+    # in place of building a ``RequestOutput``; True when it took them (``OutputProcessor.set_text_sink``).
+    text_sink: Callable[[str, list[int]], bool] | None = None
 
     @property
     def user_request_id(self) -> str:
@@ -76,6 +80,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, stream_interval: int = 1, max_finished_metrics: int = 10_000):
         self.tokenizer = tokenizer
+        self.byte_pieces = BytePieces.of(tokenizer)
         self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
@@ -96,7 +101,7 @@ class OutputProcessor:
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id, index=index, parent=parent, prompt=prompt,
             prompt_token_ids=request.prompt_token_ids, output_kind=params.output_kind,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self.byte_pieces),
             logprobs=LogprobsAccumulator(self.tokenizer, params.logprobs, params.prompt_logprobs),
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                                    num_prompt_tokens=len(request.prompt_token_ids),
@@ -176,9 +181,15 @@ class OutputProcessor:
             if (state.plain and output.finish_reason is None and output.new_token_ids and not output.events
                     and output.new_logprobs is None and output.new_prompt_logprobs is None
                     and output.num_cached_tokens <= state.num_cached_tokens):
-                request_output = self._plain_output(state, output.new_token_ids, now)
-                if request_output is not None:
-                    request_outputs.append(request_output)
+                step = self._plain_step(state, output.new_token_ids, now)
+                if step is not None:
+                    text, token_ids = step
+                    sink = state.text_sink
+                    if sink is None or not sink(text, token_ids):
+                        request_outputs.append(RequestOutput(
+                            state.request_id, state.prompt, state.prompt_token_ids,
+                            [CompletionOutput(state.index, text, token_ids)], False, state.num_cached_tokens,
+                            None, state.metrics))
                     continue
                 # a stop string ended it (the state says so): on as any other output
             else:
@@ -229,24 +240,38 @@ class OutputProcessor:
             state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
             state.detokenizer.finish(stop_terminated)
 
-    def _plain_output(self, state: RequestState, new_token_ids: list[int], now: float) -> RequestOutput | None:
-        """The common streamed step, as ``_update`` then ``_make_output`` do it for an unfinished token of a
-        plain request with nothing else on it, in one call; None when a stop string ended the request (its
-        finish and stop reasons then set)."""
+    def _plain_step(self, state: RequestState, new_token_ids: list[int], now: float) -> tuple[str, list[int]] | None:
+        """The common streamed step, as ``_update`` then ``_completion`` do it for an unfinished token of a plain
+        request with nothing else on it: the new text and token ids to send; None when a stop string ended the
+        request (its finish and stop reasons then set)."""
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.token_times.extend([now] * len(new_token_ids))
         detokenizer = state.detokenizer
-        stop_string = detokenizer.update(new_token_ids, False)
-        if stop_string is not None:
-            state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
-            return None
+        if detokenizer.simple and len(new_token_ids) == 1:
+            text = detokenizer.add_simple(new_token_ids[0])
+        else:
+            stop_string = detokenizer.update(new_token_ids, False)
+            if stop_string is not None:
+                state.finish_reason, state.stop_reason = FinishReason.STOP, stop_string
+                return None
+            text = detokenizer.next_text(False, True)
         token_ids = detokenizer.token_ids
         start, state.sent_token_offset = state.sent_token_offset, len(token_ids)
-        completion = CompletionOutput(state.index, detokenizer.next_text(False, True), token_ids[start:])
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
-                             state.num_cached_tokens, None, metrics)
+        return text, token_ids[start:]
+
+    def set_text_sink(self, request_id: str, sink: Callable[[str, list[int]], bool] | None) -> bool:
+        """Offer a plain request's unfinished steps (a delta stream of its own, every token sent, no logprobs)
+        to ``sink(text, token_ids)`` instead of building their ``RequestOutput``: what it takes (returns True
+        for) is not returned by ``process_outputs``; anything it declines is, unchanged. The final output and
+        every output with more on it (events, a stop string) never reach it. False (nothing set) for a request
+        that is not plain or not in flight; None removes the sink."""
+        state = self.request_states.get(request_id)
+        if state is None or not state.plain:
+            return False
+        state.text_sink = sink
+        return True
 
     def _finish(self, state: RequestState, now: float) -> None:
         del self.request_states[state.request_id]
