@@ -102,15 +102,17 @@ async def get_state(request: Request) -> ServerState:
 
 
 def _add_generation_routes(router: FastAPI) -> None:
+    # the state straight from the app, not as a dependency: FastAPI's resolution of one costs every request
     @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION)
-    async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+    async def completions(body: CompletionRequest, request: Request):
+        state: ServerState = request.app.state.server
         state.check_task("generate")
         result = await create_completion(state, body, request)
         return Response(status_code=_DISCONNECTED) if result is None else result
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION)
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               state: ServerState = Depends(get_state)):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state: ServerState = request.app.state.server
         state.check_task("generate")
         result = await create_chat_completion(state, body, request)
         return Response(status_code=_DISCONNECTED) if result is None else result

@@ -42,6 +42,8 @@ from quire.openai_server.structured_outputs import naming_errors
 
 MAX_TOP_LOGPROBS = 20
 
+_encode_json = msgspec.json.Encoder().encode
+
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
     adapter = state.check_model(body.model)
@@ -209,7 +211,8 @@ class _ChatEvents:
         if not (self.plain and text and 0 in self.started):
             return None
         self.completion_tokens += len(token_ids)
-        return self.writer.text(0, text)
+        before, after = self.writer.text_pieces(0)
+        return before + _encode_json(text) + after
 
     def _chunk(self, choices, usage_tokens=None, exact_floats=False) -> bytes:
         usage = None if usage_tokens is None else {

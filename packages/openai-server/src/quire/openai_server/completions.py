@@ -6,6 +6,7 @@ import asyncio
 import functools
 import time
 
+import msgspec
 from fastapi import Request
 
 from quire.core.engine.protocol import EngineClient, OutputStream
@@ -33,6 +34,8 @@ from quire.openai_server.serving import (
     usage,
 )
 from quire.openai_server.structured_outputs import naming_errors
+
+_encode_json = msgspec.json.Encoder().encode
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request):
@@ -150,7 +153,8 @@ class _CompletionEvents:
         if not self.plain:
             return None
         self.completion_tokens += len(token_ids)
-        return self.writer.text(0, text)
+        before, after = self.writer.text_pieces(0)
+        return before + _encode_json(text) + after
 
     def of(self, prompt_index: int, output: RequestOutput) -> bytes:
         """The events of one output of prompt ``prompt_index`` (empty when it carries nothing to send)."""

@@ -11,7 +11,6 @@ import hashlib
 import json
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -343,8 +342,11 @@ class EventStream(Response):
         self.background = None
         self.init_headers(None)
         self._writing: asyncio.Future | None = None  # a direct write held up by the server's back-pressure
-        # (send, the text encoder, the pump, raw_chunk_writer's writer) while a text sink is set
+        # while a text sink is set: (send, the pump), the text encoder, raw_chunk_writer's writer, the loop
         self._text_lane: tuple | None = None
+        self._encode_text: Callable[[str, list[int]], bytes | None] | None = None
+        self._write_raw: Callable[[bytes], bool] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._send_failed = False
         self._deferred: bytes | None = None  # the text lane's events held for the end of the step
 
@@ -370,7 +372,9 @@ class EventStream(Response):
             stream, encode = self.direct[:2]
             stream.set_sink(functools.partial(self._write_now, send_event, encode, pump))
             if len(self.direct) > 2 and hasattr(stream, "set_text_sink"):
-                self._text_lane = (send_event, self.direct[2], pump, raw_chunk_writer(send_event))
+                self._text_lane = (send_event, pump)
+                self._encode_text, self._write_raw = self.direct[2], raw_chunk_writer(send_event)
+                self._loop = asyncio.get_running_loop()
                 text_sink = stream.set_text_sink(self._write_text)
         try:
             await pump  # cancelling this task cancels the pump too
@@ -413,19 +417,24 @@ class EventStream(Response):
     def _write_text(self, text: str, token_ids: list[int]) -> bool:
         """The text sink: take a plain step's event, or return False to have it built as an output and go the
         usual way (``_write_now``, then the pump). The event is written when the output handler's step is done
-        (``_defer_write``), with every other response's: a step's writes then leave in one burst. A write
+        (``_flush_deferred_writes``), with every other response's: a step's writes then leave in one burst. A write
         wakes its client, which the kernel may run on this core, ahead of the rest of the step's work, if that
         still has to run (measured: 18x the involuntary context switches and ~10% more CPU a token)."""
         if self._writing is not None or self._send_failed:
             return False
-        body = self._text_lane[1](text, token_ids)
+        body = self._encode_text(text, token_ids)
         if body is None:
             return False
-        if self._deferred is None:
-            self._deferred = body
-            _defer_write(self)
-        else:
+        if self._deferred is not None:
             self._deferred += body  # several steps before the loop came round: one write
+            return True
+        self._deferred = body
+        loop = self._loop
+        batch = _DEFERRED_WRITES.get(loop)
+        if batch is None:
+            batch = _DEFERRED_WRITES[loop] = []
+            loop.call_soon(_flush_deferred_writes, loop, batch)
+        batch.append(self)
         return True
 
     def _flush_deferred(self) -> None:
@@ -434,9 +443,8 @@ class EventStream(Response):
         body, self._deferred = self._deferred, None
         if body is None or self._send_failed:
             return
-        send_event, _, pump, write_raw = self._text_lane
-        if write_raw is None or not write_raw(body):
-            self._send_now(send_event, pump, body)
+        if self._write_raw is None or not self._write_raw(body):
+            self._send_now(*self._text_lane, body)
 
     def _send_now(self, send_event, pump: asyncio.Future, body: bytes) -> bool:
         sending = send_event({"type": "http.response.body", "body": body, "more_body": True})
@@ -469,26 +477,21 @@ class EventStream(Response):
             await self.events.aclose()
 
 
-# Per event loop, the responses whose text-lane events wait for the end of the current step.
-_DEFERRED_WRITES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[EventStream]] = \
-    weakref.WeakKeyDictionary()
-
-
-def _defer_write(response: EventStream) -> None:
-    """Have ``response``'s held events written once the running callback (the output handler's step) is done."""
-    loop = asyncio.get_running_loop()
-    batch = _DEFERRED_WRITES.get(loop)
-    if batch is None:
-        batch = _DEFERRED_WRITES[loop] = []
-        loop.call_soon(_flush_deferred_writes, loop, batch)
-    batch.append(response)
+# Per event loop, the responses whose text-lane events wait for the end of the current step (an entry lives
+# from the step's first held event to the callback that writes them, in the same turn of the loop).
+_DEFERRED_WRITES: dict[asyncio.AbstractEventLoop, list[EventStream]] = {}
 
 
 def _flush_deferred_writes(loop: asyncio.AbstractEventLoop, batch: list[EventStream]) -> None:
     if _DEFERRED_WRITES.get(loop) is batch:
         del _DEFERRED_WRITES[loop]
     for response in batch:
-        response._flush_deferred()
+        body = response._deferred
+        if body is not None:  # (else something wrote it first)
+            if response._write_raw is not None and not response._send_failed and response._write_raw(body):
+                response._deferred = None
+            else:
+                response._flush_deferred()
 
 
 _HTTPTOOLS_CYCLE = ("transport", "flow", "disconnected", "response_started", "response_complete",
@@ -574,6 +577,11 @@ class ChunkWriter:
         """The chunk of a choice that carries new text and nothing else: a completion's
         ``{"index", "text", "logprobs": null, "finish_reason": null, "stop_reason": null}``, a chat
         completion's ``{"index", "delta": {"content"}, "logprobs": null, "finish_reason": null}``."""
+        pieces = self.text_pieces(index)
+        return pieces[0] + _JSON.encode(text) + pieces[1]
+
+    def text_pieces(self, index: int) -> tuple[bytes, bytes]:
+        """What goes before and after the JSON-encoded text in ``text``'s chunk."""
         pieces = self._text_chunks.get(index)
         if pieces is None:
             if self._kind == "text_completion":
@@ -583,4 +591,4 @@ class ChunkWriter:
                 before, after = b'[{"index":%d,"delta":{"content":' % index, b'},"logprobs":null,' \
                     b'"finish_reason":null}]}\n\n'
             pieces = self._text_chunks[index] = (self._head + before, after)
-        return pieces[0] + _JSON.encode(text) + pieces[1]
+        return pieces
