@@ -2,7 +2,7 @@
 
 import pytest
 
-from quire.core.engine.detokenizer import IncrementalDetokenizer
+from quire.core.engine.detokenizer import BytePieces, IncrementalDetokenizer
 from quire.core.sampling_params import SamplingParams
 
 TEXT = "Café, 中文 and 😀 — e\u0301tude (e + combining acute) ok 😀😀"
@@ -16,8 +16,20 @@ def ids(tiny_tokenizer):
     return ids
 
 
+@pytest.fixture(params=["decode_stream", "byte_pieces"], autouse=True)
+def way(request, tiny_tokenizer):
+    """Every test runs over ``tokenizers``' DecodeStream and over the byte-level table (``BytePieces``)."""
+    global PIECES
+    PIECES = BytePieces.of(tiny_tokenizer) if request.param == "byte_pieces" else None
+    assert request.param == "decode_stream" or PIECES is not None
+    return request.param
+
+
+PIECES = None
+
+
 def make(tokenizer, **params):
-    return IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(**params))
+    return IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(**params), PIECES)
 
 
 def test_token_by_token_text_is_always_the_decoded_prefix_without_partial_characters(tiny_tokenizer, ids):
@@ -73,3 +85,41 @@ def test_stop_string_truncates_text_and_drops_later_tokens(tiny_tokenizer):
     assert detok.output_text == "one "
     assert tiny_tokenizer.decode(detok.token_ids).find("two t") != -1
     assert len(detok.token_ids) < len(ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_byte_table_gives_the_decode_streams_text_for_any_ids(tiny_tokenizer, skip_special_tokens):
+    """Random ids (split and invalid UTF-8, special tokens, ids past the vocabulary) and real text: the table's
+    text, token by token through ``add_simple``, ends equal to the DecodeStream's through ``update``."""
+    import random
+
+    pieces = BytePieces.of(tiny_tokenizer)
+    size = len(pieces.pieces)
+    rng = random.Random(0)
+    cases = [tiny_tokenizer.encode(TEXT)] + [[rng.randrange(size + 3) for _ in range(rng.randrange(1, 40))]
+                                            for _ in range(150)]
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for ids in cases:
+        table, stream = (IncrementalDetokenizer(tiny_tokenizer, [5], params, pieces),
+                         IncrementalDetokenizer(tiny_tokenizer, [5], params))
+        assert table.simple and not stream.simple
+        texts = ["", ""]
+        for token_id in ids:
+            texts[0] += table.add_simple(token_id)
+            stream.update([token_id], stop_terminated=False)
+            texts[1] += stream.next_text(finished=False, delta=True)
+        for index, detok in enumerate((table, stream)):
+            detok.finish(stop_terminated=False)
+            texts[index] += detok.next_text(finished=True, delta=True)
+        assert texts[0] == texts[1], ids
+
+
+def test_byte_pieces_only_for_byte_level_decoders():
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.decoder = decoders.Metaspace()
+    assert BytePieces.of(SimpleNamespace(backend_tokenizer=backend)) is None
+    assert BytePieces.of(None) is None

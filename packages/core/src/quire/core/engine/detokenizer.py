@@ -33,6 +33,13 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
+def _text(piece: bytes) -> str | None:
+    try:
+        return piece.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 class BytePieces:
     """Every token id's bytes under a byte-level decoder, as ``tokenizers`` decodes them: a token spelled in
     the byte alphabet gives those bytes, any other (an added token with a space, say) its UTF-8; special
@@ -42,6 +49,9 @@ class BytePieces:
     def __init__(self, pieces: list[bytes], special_ids: frozenset[int]):
         self.pieces = pieces
         self.skipping = [b"" if i in special_ids else piece for i, piece in enumerate(pieces)]
+        # each piece's text when its bytes are whole characters on their own (None where they are not)
+        self.texts = [_text(piece) for piece in pieces]
+        self.skipping_texts = ["" if i in special_ids else text for i, text in enumerate(self.texts)]
 
     @classmethod
     def of(cls, tokenizer) -> BytePieces | None:
@@ -84,8 +94,11 @@ class IncrementalDetokenizer:
                              else frozenset())
         self._previous_token: int | None = None
         if pieces is not None:
-            self._pieces = pieces.skipping if params.skip_special_tokens else pieces.pieces
-            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace").decode
+            skip = params.skip_special_tokens
+            self._pieces = pieces.skipping if skip else pieces.pieces
+            self._texts = pieces.skipping_texts if skip else pieces.texts
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._held = False  # the UTF-8 decoder holds the start of a character
         else:
             self._pieces = None
             self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
@@ -115,7 +128,7 @@ class IncrementalDetokenizer:
             if pieces is None:
                 piece = self._stream.step(self._backend, token_id)
             else:
-                piece = self._utf8(pieces[token_id] if 0 <= token_id < len(pieces) else b"")
+                piece = self._decode_piece(token_id)
             if piece and token_id in self._special_ids and self._previous_token in self._special_ids:
                 piece = piece.removeprefix(" ")
             self._previous_token = token_id
@@ -131,13 +144,27 @@ class IncrementalDetokenizer:
     def add_simple(self, token_id: int) -> str:
         """``update([token_id], False)`` then ``next_text(False, True)``, when ``simple``: the new text."""
         self.token_ids.append(token_id)
-        pieces = self._pieces
-        piece = self._utf8(pieces[token_id] if 0 <= token_id < len(pieces) else b"")
+        texts = self._texts
+        piece = texts[token_id] if not self._held and 0 <= token_id < len(texts) else None
+        if piece is None:
+            piece = self._decode_piece(token_id)
         self._previous_token = token_id
         if piece:
             self.output_text += piece
         text = self.output_text[self._sent_text_offset:]
         self._sent_text_offset = len(self.output_text)
+        return text
+
+    def _decode_piece(self, token_id: int) -> str:
+        """A token's text from its bytes: the table's text while no character is split, else through the UTF-8
+        decoder (which holds an incomplete character's bytes and writes U+FFFD for invalid ones)."""
+        in_vocabulary = 0 <= token_id < len(self._pieces)
+        if not self._held:
+            text = self._texts[token_id] if in_vocabulary else ""
+            if text is not None:
+                return text
+        text = self._utf8.decode(self._pieces[token_id] if in_vocabulary else b"")
+        self._held = bool(self._utf8.buffer)
         return text
 
     def finish(self, stop_terminated: bool) -> None:
