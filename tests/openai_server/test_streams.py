@@ -192,6 +192,14 @@ def _direct_event_stream(gate_first_direct_write: bool = False, fail_on: str | N
     return put, written, task, gate
 
 
+async def _release_then_finish(gate, put, task, last: str) -> None:
+    """Let the held write through, then end the stream with the final output ``last``."""
+    gate.set_result(None)
+    await asyncio.sleep(0.01)
+    put(last, finished=True)
+    await asyncio.wait_for(task, 5)
+
+
 def test_tokens_are_written_from_the_output_handler_in_order_and_the_final_one_by_the_pump():
     async def run():
         put, written, task, _ = _direct_event_stream()
@@ -214,10 +222,7 @@ def test_a_direct_write_held_by_back_pressure_keeps_later_events_behind_it():
         put("b")  # the sink declines while "a" waits: queued for the pump
         await asyncio.sleep(0.01)
         assert written == []  # the pump waits for "a" before it writes "b"
-        gate.set_result(None)
-        await asyncio.sleep(0.01)
-        put("c", finished=True)
-        await asyncio.wait_for(task, 5)
+        await _release_then_finish(gate, put, task, "c")
         return written
 
     assert asyncio.run(run()) == [b"a", b"b", b"c", b"end", b""]
@@ -271,10 +276,7 @@ def test_a_text_sink_write_held_by_back_pressure_keeps_later_steps_behind_it():
         put("c")
         await asyncio.sleep(0.01)
         assert written == []
-        gate.set_result(None)
-        await asyncio.sleep(0.01)
-        put("d", finished=True)
-        await asyncio.wait_for(task, 5)
+        await _release_then_finish(gate, put, task, "d")
         return written
 
     assert asyncio.run(run()) == [b"a", b"bc", b"d", b"end", b""]
