@@ -50,7 +50,7 @@ class RequestState:
     is_pooling: bool = False
     embedding: list[float] | None = None
     # A delta stream of its own (no parent), every token sent, no logprobs: its unfinished outputs take
-    # ``OutputProcessor._plain_output``.
+    # ``OutputProcessor._plain_step`` (and a text sink, when one is set).
     plain: bool = False
     # A consumer's hand-off for a plain request's unfinished steps, called with the new text and token ids
     # in place of building a ``RequestOutput``; True when it took them (``OutputProcessor.set_text_sink``).
