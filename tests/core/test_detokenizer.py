@@ -16,24 +16,22 @@ def ids(tiny_tokenizer):
     return ids
 
 
-@pytest.fixture(params=["decode_stream", "byte_pieces"], autouse=True)
-def way(request, tiny_tokenizer):
-    """Every test runs over ``tokenizers``' DecodeStream and over the byte-level table (``BytePieces``)."""
-    global PIECES
-    PIECES = BytePieces.of(tiny_tokenizer) if request.param == "byte_pieces" else None
-    assert request.param == "decode_stream" or PIECES is not None
-    return request.param
+@pytest.fixture(params=["decode_stream", "byte_pieces"])
+def pieces(request, tiny_tokenizer):
+    """Each test runs over ``tokenizers``' DecodeStream (None) and over the byte-level table (``BytePieces``)."""
+    if request.param == "decode_stream":
+        return None
+    table = BytePieces.of(tiny_tokenizer)
+    assert table is not None
+    return table
 
 
-PIECES = None
+def make(tokenizer, pieces, **params):
+    return IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(**params), pieces)
 
 
-def make(tokenizer, **params):
-    return IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(**params), PIECES)
-
-
-def test_token_by_token_text_is_always_the_decoded_prefix_without_partial_characters(tiny_tokenizer, ids):
-    detok = make(tiny_tokenizer)
+def test_token_by_token_text_is_always_the_decoded_prefix_without_partial_characters(tiny_tokenizer, ids, pieces):
+    detok = make(tiny_tokenizer, pieces)
     streamed = ""
     for k, token_id in enumerate(ids, start=1):
         detok.update([token_id], stop_terminated=False)
@@ -44,9 +42,9 @@ def test_token_by_token_text_is_always_the_decoded_prefix_without_partial_charac
     assert streamed == TEXT == tiny_tokenizer.decode(ids)
 
 
-def test_two_chunks_split_at_every_point_equal_the_full_decode(tiny_tokenizer, ids):
+def test_two_chunks_split_at_every_point_equal_the_full_decode(tiny_tokenizer, ids, pieces):
     for split in range(1, len(ids)):
-        detok = make(tiny_tokenizer)
+        detok = make(tiny_tokenizer, pieces)
         detok.update(ids[:split], stop_terminated=False)
         first = detok.next_text(finished=False, delta=True)
         detok.update(ids[split:], stop_terminated=False)
@@ -56,18 +54,18 @@ def test_two_chunks_split_at_every_point_equal_the_full_decode(tiny_tokenizer, i
         assert first + second == tiny_tokenizer.decode(ids), f"split at {split}"
 
 
-def test_a_sequence_cut_mid_character_ends_like_the_full_decode(tiny_tokenizer, ids):
+def test_a_sequence_cut_mid_character_ends_like_the_full_decode(tiny_tokenizer, ids, pieces):
     cut = next(k for k in range(1, len(ids)) if tiny_tokenizer.decode(ids[:k]).endswith("\ufffd"))
-    detok = make(tiny_tokenizer)
+    detok = make(tiny_tokenizer, pieces)
     detok.update(ids[:cut], stop_terminated=False)
     assert "\ufffd" not in detok.next_text(finished=False, delta=False)
     detok.finish(stop_terminated=False)
     assert detok.next_text(finished=True, delta=False) == tiny_tokenizer.decode(ids[:cut])
 
 
-def test_partial_stop_strings_are_withheld_until_resolved(tiny_tokenizer):
+def test_partial_stop_strings_are_withheld_until_resolved(tiny_tokenizer, pieces):
     ids = tiny_tokenizer.encode("abc STOP here")
-    detok = make(tiny_tokenizer, stop=["STOP!"])
+    detok = make(tiny_tokenizer, pieces, stop=["STOP!"])
     streamed = ""
     for token_id in ids:
         assert detok.update([token_id], stop_terminated=False) is None
@@ -78,9 +76,9 @@ def test_partial_stop_strings_are_withheld_until_resolved(tiny_tokenizer):
     assert streamed == "abc STOP here"
 
 
-def test_stop_string_truncates_text_and_drops_later_tokens(tiny_tokenizer):
+def test_stop_string_truncates_text_and_drops_later_tokens(tiny_tokenizer, pieces):
     ids = tiny_tokenizer.encode("one two three four")
-    detok = make(tiny_tokenizer, stop=["three", "two t"])
+    detok = make(tiny_tokenizer, pieces, stop=["three", "two t"])
     assert detok.update(ids, stop_terminated=False) == "two t"  # completes before "three"
     assert detok.output_text == "one "
     assert tiny_tokenizer.decode(detok.token_ids).find("two t") != -1

@@ -486,12 +486,8 @@ def _flush_deferred_writes(loop: asyncio.AbstractEventLoop, batch: list[EventStr
     if _DEFERRED_WRITES.get(loop) is batch:
         del _DEFERRED_WRITES[loop]
     for response in batch:
-        body = response._deferred
-        if body is not None:  # (else something wrote it first)
-            if response._write_raw is not None and not response._send_failed and response._write_raw(body):
-                response._deferred = None
-            else:
-                response._flush_deferred()
+        if response._deferred is not None:  # (else something wrote it first)
+            response._flush_deferred()
 
 
 _HTTPTOOLS_CYCLE = ("transport", "flow", "disconnected", "response_started", "response_complete",

@@ -69,14 +69,12 @@ class BytePieces:
                 pieces.append(bytes(alphabet[c] for c in token))
             else:
                 pieces.append(token.encode())
-        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        table = cls(pieces, special)
         # the table must say what the tokenizer says, token by token (a token whose bytes are not whole
         # characters decodes to U+FFFD on its own, which the lossy decode agrees with)
         decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         if any(text != piece.decode("utf-8", "replace") for text, piece in zip(decoded, pieces)):
             return None
-        return table
+        return cls(pieces, frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special))
 
 
 class IncrementalDetokenizer:
