@@ -18,10 +18,15 @@
 // weight it accepts fixes W for the process, and a weight packed with another W is refused.
 //
 // From 9 to 32 rows (decode steps of a busy server) AMX tiles read the same layout (W = 32): a packed block's
-// 128-byte rows hold two tiles' rows (16 outputs each) at a 128-byte stride.
+// 128-byte rows hold two tiles' rows (16 outputs each) at a 128-byte stride. Without AMX and with W = 64 (AMD
+// Zen 4), 9 to 64 rows go through the same vdpbf16ps kernel: the work is a block by a run of up to 6 rows
+// (24 accumulators), so a block's weight comes from memory for its first run and from the cache for the others,
+// and while a thread computes those it brings its next block into the L2 cache. There oneDNN's own kernels wait
+// on memory for the weight, which at these sizes is most of what a call reads.
 //
 // Products of bfloat16 values are exact; each output is a float32 sum (in an order of its own, not oneDNN's),
-// plus the bias, rounded to bfloat16 once (nearest even).
+// plus the bias, rounded to bfloat16 once (nearest even). The order is the same for every number of rows on
+// the vdpbf16ps kernel (a row's bits do not depend on the batch); AMX tiles sum in an order of their own.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -30,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -64,6 +70,10 @@ constexpr int64_t kMaxRows = 32;
 #else
 constexpr int64_t kMaxRows = kGemvRows;
 #endif
+// With W = 64 (oneDNN's AVX-512 BF16 kernels: AMD Zen 4) up to this many rows go through vdpbf16ps in runs of
+// rows; more go to oneDNN's own kernels (SmolLM2-135M's 30 layers' linears, weights streamed from memory, on
+// two Zen 4 cores: 13.1 ms against oneDNN's 16.0 at 16 rows, 21.9 against 24.3 at 32, 37.8 against 41.2 at 64).
+constexpr int64_t kWideMaxRows = 64;
 
 // oneDNN's block width W on this CPU (32 or 64 outputs), fixed by the first weight onednn_gemv_layout accepts
 std::atomic<int64_t> g_width{0};
@@ -91,13 +101,22 @@ inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t cou
 // out[m][0:count] = pairs[m] . G groups side by side (G = 2: a whole block of W = 64, each k-pair row read in one
 // run of 256 bytes) for M rows; `pairs` holds each row's k-pairs (P of them, zero past K); the k-pair rows are
 // `stride` elements apart. Each output's sum takes the same steps whatever M and G, so the bits are the same.
+// Bytes of another block to bring into the L2 cache while this one is computed: `bytes` from `data`, spread
+// over the k-pairs (the next block of a thread that reads each block for several runs of rows: its first run
+// then finds the weight in the cache instead of waiting for memory).
+struct Ahead {
+  const char* data = nullptr;
+  int64_t bytes = 0;
+};
+
 template <int M, int G>
 void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, int64_t stride, uint16_t* out,
-                int64_t out_stride, const uint16_t* bias, int64_t count) {
+                int64_t out_stride, const uint16_t* bias, int64_t count, Ahead ahead) {
   constexpr int V = 2 * G;  // vectors of 16 outputs
   __m512 acc[M][V];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = _mm512_setzero_ps();
+  const int64_t lines = ahead.bytes / 64, per_pair = (lines + P - 1) / P;
   for (int64_t p = 0; p < P; ++p) {
     const uint16_t* row = block + p * stride;
     __m512bh w[V];
@@ -105,6 +124,8 @@ void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, int64_t
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * stride + v * 32), _MM_HINT_T0);
       w[v] = (__m512bh)_mm512_loadu_si512(row + v * 32);
     }
+    for (int64_t l = p * per_pair; l < std::min(lines, (p + 1) * per_pair); ++l)
+      _mm_prefetch(ahead.data + 64 * l, _MM_HINT_T1);
     for (int m = 0; m < M; ++m) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[m * P + p]));
       for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], x);
@@ -119,23 +140,49 @@ void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, int64_t
 }
 
 using GemvFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, const uint16_t*,
-                        int64_t);
+                        int64_t, Ahead);
 constexpr GemvFn kGemv[kGemvRows] = {gemv_block<1, 1>, gemv_block<2, 1>, gemv_block<3, 1>, gemv_block<4, 1>,
                                     gemv_block<5, 1>, gemv_block<6, 1>, gemv_block<7, 1>, gemv_block<8, 1>};
-constexpr int64_t kWideRows = 4;  // whole 64-output blocks up to this many rows (4 x 4 accumulators)
-constexpr GemvFn kGemvWide[kWideRows] = {gemv_block<1, 2>, gemv_block<2, 2>, gemv_block<3, 2>, gemv_block<4, 2>};
+// whole 64-output blocks for up to this many rows at a time (6 x 4 accumulators, the 4 weight vectors and the
+// broadcast row: 29 of the 32 vector registers)
+constexpr int64_t kWideRows = 6;
+constexpr GemvFn kGemvWide[kWideRows] = {gemv_block<1, 2>, gemv_block<2, 2>, gemv_block<3, 2>,
+                                         gemv_block<4, 2>, gemv_block<5, 2>, gemv_block<6, 2>};
 
-// out[m][0:count] for `count` (<= 64) outputs from group j on: a whole W = 64 block in one pass where it can,
-// else group by group.
+// Rows split into `groups` runs of nearly equal length: where run i starts, and its length.
+inline std::pair<int64_t, int64_t> row_run(int64_t M, int64_t groups, int64_t i) {
+  const int64_t base = M / groups, extra = M % groups;
+  return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+// Whether a call of M rows takes whole 64-output blocks (up to kWideRows rows a pass) rather than 32-output
+// halves (up to kGemvRows a pass). 5 to 8 rows keep the halves: one pass of all the rows over each half was
+// faster at 8 rows than wide passes of 6 and 2 rows (SmolLM2-135M's LM head: 1.7 against 2.1 ms).
+inline bool wide_rows(int64_t M) {
+  return g_width.load(std::memory_order_relaxed) == 2 * kBlock && (M <= 4 || M > kGemvRows);
+}
+inline int64_t rows_per_pass(int64_t M) { return wide_rows(M) ? kWideRows : kGemvRows; }
+
+// out[m][0:count] for `count` (<= 64) outputs from group j on: a whole W = 64 block at a time where it can, else
+// group by group; rows in runs of at most rows_per_pass, each run reading the block's weight again (from the
+// cache after the first).
 void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t j, uint16_t* out,
-                 int64_t out_stride, const uint16_t* bias, int64_t count) {
-  const int64_t stride = row_stride();
-  if (count > kBlock && M <= kWideRows && g_width.load(std::memory_order_relaxed) == 2 * kBlock && j % 2 == 0) {
-    return kGemvWide[M - 1](pairs, P, group_data(w, j, P), stride, out, out_stride, bias, count);
-  }
-  for (int64_t g = 0; g * kBlock < count; ++g) {
-    kGemv[M - 1](pairs, P, group_data(w, j + g, P), stride, out + g * kBlock, out_stride,
-                 bias != nullptr ? bias + g * kBlock : nullptr, std::min(kBlock, count - g * kBlock));
+                 int64_t out_stride, const uint16_t* bias, int64_t count, int64_t all_rows = 0, Ahead ahead = {}) {
+  if (all_rows == 0) all_rows = M;
+  const int64_t stride = row_stride(), per_pass = rows_per_pass(all_rows), runs = (M + per_pass - 1) / per_pass;
+  const bool wide = count > kBlock && wide_rows(all_rows) && j % 2 == 0;
+  for (int64_t i = 0; i < runs; ++i) {
+    const auto [r0, rows] = row_run(M, runs, i);
+    if (wide) {
+      kGemvWide[rows - 1](pairs + r0 * P, P, group_data(w, j, P), stride, out + r0 * out_stride, out_stride, bias,
+                          count, ahead);
+      continue;
+    }
+    for (int64_t g = 0; g * kBlock < count; ++g) {
+      kGemv[rows - 1](pairs + r0 * P, P, group_data(w, j + g, P), stride, out + r0 * out_stride + g * kBlock,
+                      out_stride, bias != nullptr ? bias + g * kBlock : nullptr, std::min(kBlock, count - g * kBlock),
+                      g == 0 ? ahead : Ahead{});
+    }
   }
 }
 
@@ -175,9 +222,10 @@ inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, floa
 
 int64_t onednn_gemv_max_rows() {
 #if defined(QUIRE_ONEDNN_AMX)
-  return quire::amx_permitted() && g_width.load() != 2 * kBlock ? kMaxRows : kGemvRows;
-#elif defined(QUIRE_ONEDNN_GEMV)
-  return kGemvRows;
+  if (quire::amx_permitted() && g_width.load() != 2 * kBlock) return kMaxRows;
+#endif
+#if defined(QUIRE_ONEDNN_GEMV)
+  return g_width.load() == 2 * kBlock ? kWideMaxRows : kGemvRows;
 #else
   return 0;
 #endif
@@ -267,7 +315,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #ifdef QUIRE_ONEDNN_AMX
-  if (M > kGemvRows) {
+  if (M > kGemvRows && quire::amx_permitted() && g_width.load() != 2 * kBlock) {
     // x padded with zeros to whole tiles: rows to a multiple of 32, columns to Kp
     const int64_t Mp = quire::round_up(M, 32), Kp = 2 * P;
     std::vector<uint16_t> padded(Mp * Kp, 0);
@@ -298,12 +346,26 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 #endif
   std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
   for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
-  const int64_t unit = quire::onednn_gemv_block_groups(), units = (blocks + unit - 1) / unit;
+  // work units: a block (W outputs) by a run of rows, block-major, so that each thread mostly reads its own
+  // blocks from memory and the threads stay level where the blocks are few (576 outputs: 9 blocks)
+  const int64_t unit = quire::onednn_gemv_block_groups(), block_units = (blocks + unit - 1) / unit;
+  const int64_t per_pass = rows_per_pass(M), runs = (M + per_pass - 1) / per_pass;
+  const int64_t units = block_units * runs;
   quire::parallel_chunks(0, units, quire::chunk_size(units, 1, 4), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u * unit;
-      gemv_groups(pairs.data(), M, P, w, b, y + b * kBlock, N, bias_p != nullptr ? bias_p + b * kBlock : nullptr,
-                  std::min(unit * kBlock, N - b * kBlock));
+      const int64_t b = (u / runs) * unit, run = u % runs;
+      const auto [r0, rows] = row_run(M, runs, run);
+      // runs after the first bring this thread's next block into the cache, a share each
+      Ahead ahead;
+      if (run > 0 && (u / runs + 1) * runs < end) {
+        const int64_t block_bytes = P * 2 * block_width() * 2, share = (block_bytes + runs - 2) / (runs - 1);
+        const char* next = reinterpret_cast<const char*>(group_data(w, b + unit, P));
+        const int64_t from = (run - 1) * share;
+        ahead = {next + from, std::min(share, block_bytes - from)};
+      }
+      gemv_groups(pairs.data() + r0 * P, rows, P, w, b, y + r0 * N + b * kBlock, N,
+                  bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(unit * kBlock, N - b * kBlock), M,
+                  ahead);
     }
   });
   return out;
@@ -484,7 +546,7 @@ torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::T
     alignas(64) uint16_t logits[kBlock];
     for (const int64_t b : blocks) {
       const int64_t count = std::min(kBlock, N - b * kBlock);
-      gemv_block<1, 1>(pairs.data(), P, group_data(w, b, P), row_stride(), logits, kBlock, nullptr, count);
+      gemv_block<1, 1>(pairs.data(), P, group_data(w, b, P), row_stride(), logits, kBlock, nullptr, count, {});
       for (int64_t i = 0; i < count; ++i) {
         const int64_t n = b * kBlock + i;
         if (static_cast<double>(approx[m * N + n]) + static_cast<double>(radius[m * N + n]) < cut) continue;
