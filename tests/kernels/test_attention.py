@@ -222,3 +222,32 @@ def test_sliding_window_prefill_after_a_cached_prefix_reads_from_the_window_on()
     out = paged_attention(query, kv[0], kv[1], table, [60], [0, 10], 0.3, sliding_window=12)
     expected = dense_causal_attention(query, keys[0], values[0], 0.3, sliding_window=12)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_of_one_length_run_as_one_batch_with_the_bits_of_each_alone(dtype):
+    """Without a prefill kernel, whole prompts are batched by length over the step's own key/value rows: each
+    prompt's output is bit for bit what it gets alone from the gathered cache, and mixed steps (a cached
+    prefix, a decode) keep their other paths."""
+    from quire.kernels.attention import plan_paged_attention, run_paged_attention
+
+    generator = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    seqs = [40, 7, 40, 40, 7, 100, 33]
+    query_lens = [40, 7, 40, 40, 7, 1, 5]  # the last two: a decode and a chunk after a cached prefix
+    kv, tables, keys, values = write_requests(seqs, 64, block_size, num_kv_heads, head_dim, dtype, generator)
+    step_keys = torch.cat([k[-n:] for k, n in zip(keys, query_lens)])
+    step_values = torch.cat([v[-n:] for v, n in zip(values, query_lens)])
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    plan = plan_paged_attention(tables, seqs, starts, block_size)
+    assert sorted((b.count, b.length) for b in plan.prompt_batches) == [(2, 7), (3, 40)]
+    batched = run_paged_attention(query, kv[0], kv[1], plan, 0.125, step_keys, step_values)
+    alone = run_paged_attention(query, kv[0], kv[1], plan, 0.125)  # without the step's rows: prompt by prompt
+    assert torch.equal(batched, alone)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        rows = slice(starts[i], starts[i + 1])
+        torch.testing.assert_close(batched[rows].float(), dense_causal_attention(query[rows], k, v, 0.125),
+                                   **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}))

@@ -16,6 +16,8 @@ is the reference the other kernels are checked against.
 A whole prompt with no cached prefix (and no window to apply) attends only to its own keys: given this step's
 ``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one: AMX or AVX2), it runs
 there on those rows instead of gathering them back from the cache for ``scaled_dot_product_attention``.
+Where no such kernel takes them (CPUs with AVX-512 BF16 and no AMX, float32), the whole prompts of each length
+run as one batch through ``scaled_dot_product_attention`` on the same rows, with the bits each gets alone.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class PrefillItem:
 
 
 @dataclasses.dataclass
+class PromptBatch:
+    """Whole prompts of one length (no cached prefix, no window), run as one batch of that length."""
+
+    rows: torch.Tensor  # [count * length] int64: their rows of the step, prompt by prompt
+    count: int
+    length: int
+
+
+@dataclasses.dataclass
 class AttentionPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillItem]
@@ -82,6 +93,8 @@ class AttentionPlan:
     decode_kernel: object = None  # the module whose paged_decode runs fused_decode
     prefill_kernel: object = None  # the module whose prefill_attention runs whole prompts without a prefix
     whole_prompts: torch.Tensor | None = None  # [n, 2] (start, end) rows of those prompts, with prefill_kernel
+    # the same prompts by length, for scaled_dot_product_attention where prefill_kernel does not take them
+    prompt_batches: list[PromptBatch] = dataclasses.field(default_factory=list)
     # The plans of this step's windowed layers, by window, built by the backend on first use.
     windowed_plans: dict[int, AttentionPlan] = dataclasses.field(default_factory=dict)
 
@@ -109,7 +122,7 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     if decode_kernel is not None and decode_rows:
         fused = _fused_decode(decode_rows, block_tables, seq_lens, query_start_loc, not prefills)
         return AttentionPlan([], prefills, query_start_loc[-1], fused, decode_kernel, prefill_kernel,
-                             _whole_prompts(prefills, prefill_kernel))
+                             _whole_prompts(prefills, prefill_kernel), _prompt_batches(prefills))
     # Decodes run together, padded to the longest context; requests of similar length are grouped so
     # that short ones do not pay for copying the long ones' padding.
     num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decode_rows) // _MIN_DECODE_GROUP))
@@ -118,12 +131,22 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: list[int], query_
     groups = [_decode_group(group, block_tables, seq_lens, query_start_loc, block_size, sliding_window)
               for group in _split(decode_rows, num_groups)]
     return AttentionPlan(groups, prefills, query_start_loc[-1], prefill_kernel=prefill_kernel,
-                         whole_prompts=_whole_prompts(prefills, prefill_kernel))
+                         whole_prompts=_whole_prompts(prefills, prefill_kernel),
+                         prompt_batches=_prompt_batches(prefills))
 
 
 def _whole_prompts(prefills: list[PrefillItem], prefill_kernel) -> torch.Tensor | None:
     rows = [(item.start, item.end) for item in prefills if item.whole_prompt]
     return torch.tensor(rows, dtype=torch.int64) if rows and prefill_kernel is not None else None
+
+
+def _prompt_batches(prefills: list[PrefillItem]) -> list[PromptBatch]:
+    by_length: dict[int, list[PrefillItem]] = {}
+    for item in prefills:
+        if item.whole_prompt:
+            by_length.setdefault(item.end - item.start, []).append(item)
+    return [PromptBatch(torch.cat([torch.arange(item.start, item.end) for item in items]), len(items), length)
+            for length, items in by_length.items()]
 
 
 def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -154,6 +177,10 @@ def run_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if (plan.whole_prompts is not None and key is not None and query.dtype == torch.bfloat16
             and kernel.prefill_attention_available(query.shape[-1])):
         kernel.prefill_attention(query, key, value, scale, plan.whole_prompts, output)  # one call for all
+        prefills = [item for item in prefills if not item.whole_prompt]
+    elif plan.prompt_batches and key is not None:
+        for batch in plan.prompt_batches:
+            output[batch.rows] = _prompt_batch(query, key, value, batch, scale)
         prefills = [item for item in prefills if not item.whole_prompt]
     for item in prefills:
         output[item.start:item.end] = _prefill(query[item.start:item.end], key_cache, value_cache, item, scale)
@@ -256,6 +283,18 @@ def _decode(query, key_cache, value_cache, group: DecodeGroup, scale: float) -> 
         attn_mask=group.mask, scale=scale, enable_gqa=True,
     )
     return out[:, :, 0, :]
+
+
+def _prompt_batch(query, key, value, batch: PromptBatch, scale: float) -> torch.Tensor:
+    """Causal attention of whole prompts of one length over the step's own key/value rows (no gather from the
+    cache), in one call: each prompt's output has the bits it has alone (torch's CPU kernel splits the work by
+    prompt, head and block of queries), at a fraction of the calls."""
+    def batched(x):  # [count * length, heads, D] rows -> [count, heads, length, D]
+        return x.index_select(0, batch.rows).view(batch.count, batch.length, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), is_causal=True, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(-1, *query.shape[1:])
 
 
 def _prefill(query, key_cache, value_cache, item: PrefillItem, scale: float) -> torch.Tensor:
