@@ -98,9 +98,6 @@ inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t cou
   _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sum));
 }
 
-// out[m][0:count] = pairs[m] . G groups side by side (G = 2: a whole block of W = 64, each k-pair row read in one
-// run of 256 bytes) for M rows; `pairs` holds each row's k-pairs (P of them, zero past K); the k-pair rows are
-// `stride` elements apart. Each output's sum takes the same steps whatever M and G, so the bits are the same.
 // Bytes of another block to bring into the L2 cache while this one is computed: `bytes` from `data`, spread
 // over the k-pairs (the next block of a thread that reads each block for several runs of rows: its first run
 // then finds the weight in the cache instead of waiting for memory).
@@ -109,6 +106,10 @@ struct Ahead {
   int64_t bytes = 0;
 };
 
+// out[m][0:count] = pairs[m] . G groups side by side (G = 2: a whole block of W = 64, each k-pair row read in one
+// run of 256 bytes) for M rows; `pairs` holds each row's k-pairs (P of them, zero past K); the k-pair rows are
+// `stride` elements apart. Each output's sum takes the same steps whatever M and G, so the bits are the same;
+// `ahead` is brought into L2 on the way.
 template <int M, int G>
 void gemv_block(const uint32_t* pairs, int64_t P, const uint16_t* block, int64_t stride, uint16_t* out,
                 int64_t out_stride, const uint16_t* bias, int64_t count, Ahead ahead) {
