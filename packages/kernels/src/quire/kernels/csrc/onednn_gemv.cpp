@@ -164,26 +164,19 @@ inline bool wide_rows(int64_t M) {
 }
 inline int64_t rows_per_pass(int64_t M) { return wide_rows(M) ? kWideRows : kGemvRows; }
 
-// out[m][0:count] for `count` (<= 64) outputs from group j on: a whole W = 64 block at a time where it can, else
-// group by group; rows in runs of at most rows_per_pass, each run reading the block's weight again (from the
-// cache after the first).
+// out[m][0:count] for M rows, a run of a call of `all_rows` (at most rows_per_pass(all_rows) of them), and
+// `count` (<= 64) outputs from group j on: a whole W = 64 block in one pass where the call takes them wide, else
+// group by group.
 void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t j, uint16_t* out,
-                 int64_t out_stride, const uint16_t* bias, int64_t count, int64_t all_rows = 0, Ahead ahead = {}) {
-  if (all_rows == 0) all_rows = M;
-  const int64_t stride = row_stride(), per_pass = rows_per_pass(all_rows), runs = (M + per_pass - 1) / per_pass;
-  const bool wide = count > kBlock && wide_rows(all_rows) && j % 2 == 0;
-  for (int64_t i = 0; i < runs; ++i) {
-    const auto [r0, rows] = row_run(M, runs, i);
-    if (wide) {
-      kGemvWide[rows - 1](pairs + r0 * P, P, group_data(w, j, P), stride, out + r0 * out_stride, out_stride, bias,
-                          count, ahead);
-      continue;
-    }
-    for (int64_t g = 0; g * kBlock < count; ++g) {
-      kGemv[rows - 1](pairs + r0 * P, P, group_data(w, j + g, P), stride, out + r0 * out_stride + g * kBlock,
-                      out_stride, bias != nullptr ? bias + g * kBlock : nullptr, std::min(kBlock, count - g * kBlock),
-                      g == 0 ? ahead : Ahead{});
-    }
+                 int64_t out_stride, const uint16_t* bias, int64_t count, int64_t all_rows, Ahead ahead = {}) {
+  const int64_t stride = row_stride();
+  if (count > kBlock && wide_rows(all_rows) && j % 2 == 0) {
+    return kGemvWide[M - 1](pairs, P, group_data(w, j, P), stride, out, out_stride, bias, count, ahead);
+  }
+  for (int64_t g = 0; g * kBlock < count; ++g) {
+    kGemv[M - 1](pairs, P, group_data(w, j + g, P), stride, out + g * kBlock, out_stride,
+                 bias != nullptr ? bias + g * kBlock : nullptr, std::min(kBlock, count - g * kBlock),
+                 g == 0 ? ahead : Ahead{});
   }
 }
 
@@ -284,7 +277,7 @@ const uint16_t* onednn_packed_data(const torch::Tensor& packed) {
 void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
                        const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
 #ifdef QUIRE_ONEDNN_GEMV
-  gemv_groups(pairs, rows, P, packed_data, block, out, out_stride, bias, count);
+  gemv_groups(pairs, rows, P, packed_data, block, out, out_stride, bias, count, rows);
 #else
   (void)pairs, (void)rows, (void)P, (void)packed_data, (void)block, (void)bias, (void)out, (void)out_stride,
       (void)count;
