@@ -179,6 +179,25 @@ def test_onednn_gemv_gives_each_row_the_same_bits_at_every_batch_size(out_featur
 
 
 @needs_onednn_gemv
+@pytest.mark.skipif(not ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights in other blocks")
+def test_onednn_gemv_reads_x_in_place_or_copied_with_the_same_bits():
+    """Rows whose width fills whole 32-wide groups are read where they lie; rows that do not (or that start at
+    an odd bfloat16 address) are copied with zero padding first: the same sums either way."""
+    torch.manual_seed(5)
+    weight = torch.randn(130, 96).to(torch.bfloat16)
+    packed = linear_ops.prepack(weight)
+    rows = min(ONEDNN_GEMV_ROWS, 12)
+    storage = torch.randn(rows * 96 + 1).to(torch.bfloat16)
+    aligned = storage[:rows * 96].view(rows, 96)
+    odd = storage[1:].view(rows, 96)  # contiguous, 2 bytes past a 4-byte boundary
+    assert odd.data_ptr() % 4 == 2
+    for x in (aligned, odd):
+        got = CPU_KERNELS.onednn_gemv(x, packed.packed, None)
+        assert torch.equal(got, CPU_KERNELS.onednn_gemv(x.clone(), packed.packed, None))  # a fresh, aligned copy
+        assert_within_float32_sum(got, x, weight, None)
+
+
+@needs_onednn_gemv
 @pytest.mark.skipif(ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights the way onednn_gemv reads")
 def test_weights_onednn_packs_otherwise_go_to_onednns_own_kernels():
     torch.manual_seed(3)

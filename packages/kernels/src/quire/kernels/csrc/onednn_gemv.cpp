@@ -338,8 +338,15 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
     return out;
   }
 #endif
-  std::vector<uint32_t> pairs(M * P, 0);  // x as k-pairs, zero past K
-  for (int64_t m = 0; m < M; ++m) std::memcpy(&pairs[m * P], xs + m * K, K * 2);
+  // x as k-pairs, zero past K: x itself where K fills whole 32-wide groups (rows of P pairs, 4-byte aligned),
+  // else a padded copy
+  std::vector<uint32_t> padded;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(xs);
+  if (2 * P != K || reinterpret_cast<uintptr_t>(xs) % alignof(uint32_t) != 0) {
+    padded.assign(M * P, 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * P], xs + m * K, K * 2);
+    pairs = padded.data();
+  }
   // work units: a block (W outputs) by a run of rows, block-major, so that each thread mostly reads its own
   // blocks from memory and the threads stay level where the blocks are few (576 outputs: 9 blocks)
   const int64_t unit = quire::onednn_gemv_block_groups(), block_units = (blocks + unit - 1) / unit;
@@ -357,7 +364,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
         const int64_t from = (run - 1) * share;
         ahead = {next + from, std::min(share, block_bytes - from)};
       }
-      gemv_groups(pairs.data() + r0 * P, rows, P, w, b, y + r0 * N + b * kBlock, N,
+      gemv_groups(pairs + r0 * P, rows, P, w, b, y + r0 * N + b * kBlock, N,
                   bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(unit * kBlock, N - b * kBlock), M,
                   ahead);
     }

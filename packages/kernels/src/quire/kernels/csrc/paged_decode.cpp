@@ -401,17 +401,25 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
     }
     // the values are read after every score: ask for them now, while the scores are computed
     for (int j = 0; j < count; ++j) prefetch_row(value_rows[t0 + j], head_dim * 2);
+    const uint16_t* const* keys = &key_rows[t0];
     for (int64_t r = 0; r < group; ++r) {
       const uint16_t* qr = q + r * head_dim;
+      // each token's sum over the chunks in order, the sixteen tokens' sums interleaved (independent chains, in
+      // registers) rather than one token's after another's
       __m512 partial[kTile];
-      for (int j = 0; j < kTile; ++j) {
-        __m512 sum = _mm512_setzero_ps();
-        if (j < count) {
-          for (int64_t c = 0; c < chunks; ++c)
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qr + 32 * c),
-                                   (__m512bh)_mm512_loadu_si512(key_rows[t0 + j] + 32 * c));
+      for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
+      if (count == kTile) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512bh qc = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+          for (int j = 0; j < kTile; ++j)
+            partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
         }
-        partial[j] = sum;
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512bh qc = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+          for (int j = 0; j < count; ++j)
+            partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+        }
       }
       const __m512 scores = _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
