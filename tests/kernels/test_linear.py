@@ -181,8 +181,8 @@ def test_onednn_gemv_gives_each_row_the_same_bits_at_every_batch_size(out_featur
 @needs_onednn_gemv
 @pytest.mark.skipif(not ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights in other blocks")
 def test_onednn_gemv_reads_x_in_place_or_copied_with_the_same_bits():
-    """Rows whose width fills whole 32-wide groups are read where they lie; rows that do not (or that start at
-    an odd bfloat16 address) are copied with zero padding first: the same sums either way."""
+    """Rows whose width fills whole 32-wide groups are read where they lie; rows at an odd bfloat16 address are
+    copied first (as rows of other widths are, with zero padding: the test above): the same sums either way."""
     torch.manual_seed(5)
     weight = torch.randn(130, 96).to(torch.bfloat16)
     packed = linear_ops.prepack(weight)
