@@ -1,6 +1,6 @@
-"""The C++ ``prefill_attention`` (a whole prompt over its own keys: AMX tiles, or AVX2 FMA where there are none)
-against dense attention and
-PyTorch's ``scaled_dot_product_attention``, and its place in ``run_paged_attention``."""
+"""The C++ ``prefill_attention`` (a whole prompt over its own keys: AMX tiles; on other AVX-512 CPUs the path in
+PyTorch's own order where it gives PyTorch's bits; AVX2 FMA elsewhere) against dense attention and PyTorch's
+``scaled_dot_product_attention``, and its place in ``run_paged_attention``."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from .test_attention import dense_causal_attention, write_requests
 
 CPU_KERNELS = cpu_extension.load()
 pytestmark = pytest.mark.skipif(CPU_KERNELS is None or not CPU_KERNELS.prefill_attention_runs(64),
-                                reason="prefill_attention needs a CPU with AMX BF16 or AVX2")
+                                reason="prefill_attention needs a CPU with AMX BF16, AVX-512 or AVX2")
 
 
 def prefill(q, k, v, scale):
@@ -80,15 +80,94 @@ def test_rejects_what_it_cannot_run():
     assert not CPU_KERNELS.prefill_attention_runs(40) and not CPU_KERNELS.prefill_attention_available(40)
 
 
-def test_attention_takes_it_only_where_it_runs_and_not_beside_avx512_bf16_without_amx():
-    """Where the CPU has AVX-512 BF16 but no AMX tiles run, whole prompts keep PyTorch's SDPA (the AVX2 tiles'
-    float32 order was enough there for bfloat16 greedy ids to leave transformers' where margins are clear)."""
+def test_attention_takes_it_only_where_it_runs_and_not_the_avx2_tiles_beside_avx512_bf16():
+    """Where the CPU has AVX-512 BF16 but no AMX tiles run, whole prompts take the path in PyTorch's order where it
+    matched PyTorch's bits here, else keep PyTorch's SDPA: never the AVX2 tiles, whose float32 order was enough
+    there for bfloat16 greedy ids to leave transformers' where margins are clear."""
     for head_dim in (16, 32, 48, 64, 128, 256, 272):
+        path = CPU_KERNELS.prefill_attention_path(head_dim)
+        assert CPU_KERNELS.prefill_attention_available(head_dim) == (path != "")
         assert CPU_KERNELS.prefill_attention_available(head_dim) <= CPU_KERNELS.prefill_attention_runs(head_dim)
+        assert path != "pytorch order" or CPU_KERNELS.sdpa_order_runs(head_dim)
     with open("/proc/cpuinfo") as cpuinfo:
         flags = cpuinfo.read()
     if "avx512_bf16" in flags and "amx_bf16" not in flags:
-        assert not any(CPU_KERNELS.prefill_attention_available(d) for d in (32, 48, 64, 128))
+        assert {CPU_KERNELS.prefill_attention_path(d) for d in (32, 48, 64, 128)} <= {"pytorch order", ""}
+
+
+PYTORCH_ORDER = CPU_KERNELS is not None and CPU_KERNELS.sdpa_order_runs(64)
+
+
+def qkv_rows(tokens, num_heads, num_kv_heads, head_dim, seed, magnitude=2.0):
+    """Query, key and value as strided views of one fused projection, as the models hand them over."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * magnitude).bfloat16()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+            v.view(tokens, num_kv_heads, head_dim))
+
+
+# lengths through every branch: keys past the last whole vector only (< 16), the odd vector, one 512-key block
+# (sums of up to 192, 384 and 512 keys, odd and even), two and three blocks, short last blocks of query rows with
+# and without MKL's edge kernel (those prompts go to PyTorch itself: 257, 579, 1030)
+@pytest.mark.skipif(not PYTORCH_ORDER, reason="the path in PyTorch's order needs AVX-512")
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 33, 45, 100, 192, 193, 200, 257, 301, 385, 512, 513, 579, 772,
+                                    1030, 1100])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (4, 2, 128), (6, 2, 48)])
+def test_pytorch_order_gives_sdpa_bits_where_it_is_taken(tokens, num_heads, num_kv_heads, head_dim):
+    """Where this CPU takes the path (it matched PyTorch's bits when first asked for this head size), every output
+    is PyTorch's SDPA's to the bit; where it runs but is not taken, it is still as close to exact attention."""
+    q, k, v = qkv_rows(tokens, num_heads, num_kv_heads, head_dim, seed=tokens * 131 + head_dim)
+    scale = head_dim**-0.5
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    CPU_KERNELS.prefill_attention_pytorch_order(q, k, v, scale, torch.tensor([[0, tokens]]), out)
+    expected = sdpa(q, k, v, scale)
+    if CPU_KERNELS.prefill_attention_path(head_dim) == "pytorch order":
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        assert torch.equal(prefill(q, k, v, scale), out)
+    else:
+        exact = dense_causal_attention(q, k, v, scale)
+        assert (out.float() - exact).abs().mean() <= 1.25 * (expected.float() - exact).abs().mean() + 1e-4
+
+
+@pytest.mark.skipif(not PYTORCH_ORDER, reason="the path in PyTorch's order needs AVX-512")
+@pytest.mark.parametrize("tokens", [40, 600])
+@pytest.mark.parametrize("where,position,value", [("q", 5, "nan"), ("k", 21, "nan"), ("k", 3, "inf"),
+                                                  ("v", 21, "nan"), ("v", 30, "-inf")])
+def test_pytorch_order_spreads_nan_and_inf_as_pytorch_does(tokens, where, position, value):
+    """A NaN score makes its row NaN (an infinite one has a pattern of its own); a value that is not finite
+    reaches rows before it too, through PyTorch's zero probabilities: the path gives the same patterns (prompts
+    with such values go to PyTorch)."""
+    q, k, v = (t.contiguous() for t in qkv_rows(tokens, 4, 2, 64, seed=position))
+    {"q": q, "k": k, "v": v}[where][position, 1, 3] = float(value)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    CPU_KERNELS.prefill_attention_pytorch_order(q, k, v, 0.125, torch.tensor([[0, tokens]]), out)
+    expected = sdpa(q, k, v, 0.125)
+    assert torch.equal(out.isnan(), expected.isnan())
+    if CPU_KERNELS.prefill_attention_path(64) == "pytorch order":  # the same bits but for NaN's sign and payload
+        finite = ~expected.isnan()
+        assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))
+
+
+@pytest.mark.skipif(not PYTORCH_ORDER, reason="the path in PyTorch's order needs AVX-512")
+def test_pytorch_order_takes_several_prompts_in_one_call():
+    q, k, v = qkv_rows(1700, 9, 3, 64, seed=5)
+    ranges = [(0, 45), (45, 45), (50, 650), (650, 909), (909, 1700)]  # 909 - 650 = 259 rows: PyTorch's own
+    out = torch.full_like(q, 7.0)
+    CPU_KERNELS.prefill_attention_pytorch_order(q, k, v, 0.125, torch.tensor(ranges), out)
+    for start, end in ranges:
+        if end > start:
+            alone = torch.empty(end - start, 9, 64, dtype=torch.bfloat16)
+            CPU_KERNELS.prefill_attention_pytorch_order(q[start:end], k[start:end], v[start:end], 0.125,
+                                                        torch.tensor([[0, end - start]]), alone)
+            assert torch.equal(out[start:end], alone)
+            if CPU_KERNELS.prefill_attention_path(64) == "pytorch order":
+                assert torch.equal(alone, sdpa(q[start:end], k[start:end], v[start:end], 0.125))
+    assert (out[45:50] == 7.0).all()
+    wide = torch.zeros(4, 2, 144).bfloat16()
+    with pytest.raises(RuntimeError, match="not available for head_dim 144"):
+        CPU_KERNELS.prefill_attention_pytorch_order(wide, wide[:, :1], wide[:, :1], 0.1, torch.tensor([[0, 4]]),
+                                                    torch.empty_like(wide))
 
 
 class CountingKernels:

@@ -14,10 +14,12 @@ for one layer (a model with windowed layers plans once per distinct window). ``p
 is the reference the other kernels are checked against.
 
 A whole prompt with no cached prefix (and no window to apply) attends only to its own keys: given this step's
-``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one: AMX or AVX2), it runs
-there on those rows instead of gathering them back from the cache for ``scaled_dot_product_attention``.
-Where no such kernel takes them (CPUs with AVX-512 BF16 and no AMX, float32), the whole prompts of each length
-run as one batch through ``scaled_dot_product_attention`` on the same rows, with the bits each gets alone.
+``key``/``value`` rows, and a kernel module with ``prefill_attention`` (the C++ one: AMX tiles; on other
+AVX-512 CPUs a kernel in the order of PyTorch's own, taken where it gives PyTorch's bits; AVX2 FMA on CPUs
+without AVX-512 BF16), it runs there on those rows instead of gathering them back from the cache for
+``scaled_dot_product_attention``. Where no such kernel takes them (float32, a head size none takes), the whole
+prompts of each length run as one batch through ``scaled_dot_product_attention`` on the same rows, with the
+bits each gets alone.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "linear_bf16.cpp",
                                      "decode_stack.cpp", "quant_linear.cpp", "onednn_gemv.cpp",
-                                     "prefill_attention.cpp")]
+                                     "prefill_attention.cpp", "prefill_sdpa_order.cpp")]
 # included by the sources: part of the cache key
 HEADERS = [_CSRC / name for name in ("amx.h", "bf16.h", "kernels.h", "decode_stack.h", "parallel.h", "vector_math.h",
                                      "quant_blocks.h", "quant_int_dot.h", "greedy_screen.h")]

@@ -13,6 +13,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_runs", &prefill_attention_runs, "whether prefill_attention runs here for this head size");
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether whole prompts of this head size should take prefill_attention here (rather than PyTorch's SDPA)");
+  m.def("prefill_attention_pytorch_order", &prefill_attention_pytorch_order,
+        "prefill_attention on the path in PyTorch's order, whether or not it has matched PyTorch's bits here");
+  m.def("sdpa_order_runs", &quire::sdpa_order_runs, "whether the path in PyTorch's order is built for this head size");
+  m.def("prefill_attention_path", &prefill_attention_path,
+        "which path whole prompts of this head size take here: amx, pytorch order, avx2, or '' (PyTorch's SDPA)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding a residual");
   m.def("rotate", &rotate, "rotary embedding (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

@@ -11,12 +11,20 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
 // Causal attention of whole prompts over their own keys (prefill_attention.cpp): query/out [T, Hq, D], key/value
 // [T, Hk, D], bfloat16; each (start, end) row of `ranges` is one prompt, written to those rows of out (the rest
 // untouched). Runs on AMX tiles where the build has AMX BF16, the OS grants the tiles and D is a multiple of 32,
-// else on AVX2 FMA where D is a multiple of 16; D <= 256 either way (prefill_attention_runs). Whether attention
-// should take it (prefill_attention_available) is narrower: AMX, or AVX2 FMA on CPUs without AVX-512 BF16.
+// else in PyTorch's own order where that gives PyTorch's bits here (AVX-512, D a multiple of 16 up to 128:
+// prefill_sdpa_order.cpp), else on AVX2 FMA where D is a multiple of 16; D <= 256 (prefill_attention_runs).
+// Whether attention should take it (prefill_attention_available) is narrower: AMX, PyTorch's order, or AVX2 FMA
+// on CPUs without AVX-512 BF16.
 bool prefill_attention_runs(int64_t head_dim);
+// Whether whole prompts of this head size take prefill_attention, and on which path: "amx", "pytorch order"
+// (prefill_sdpa_order.cpp) or "avx2"; "" where they keep PyTorch's SDPA.
+std::string prefill_attention_path(int64_t head_dim);
 bool prefill_attention_available(int64_t head_dim);
 void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
                        torch::Tensor out);
+// The same prompts always in PyTorch's order (where sdpa_order_runs), verified here or not: for tests.
+void prefill_attention_pytorch_order(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale,
+                                     torch::Tensor ranges, torch::Tensor out);
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                     double eps);
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
@@ -95,4 +103,24 @@ void linear_bf16_row_outputs(const float* x, const uint16_t* w, const float* bia
 void paged_decode_bf16_item(const uint16_t* query, const uint16_t* key_cache, const uint16_t* value_cache,
                             const int64_t* blocks, int64_t length, int64_t kv, int64_t group, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale, float* out, AttentionScratch& scratch);
+}  // namespace quire
+
+namespace quire {
+
+// Causal attention of whole bfloat16 prompts in the order of PyTorch's CPU flash kernel (prefill_sdpa_order.cpp),
+// for AVX-512 builds and head sizes that are a multiple of 16 up to 128 (sdpa_order_runs). sdpa_order_verified
+// also checks once per head size that its bits are at::scaled_dot_product_attention's here.
+struct SdpaOrderCall {
+  const uint16_t *query, *key, *value;  // rows [T][heads][D], bfloat16, heads and dims dense within a row
+  int64_t q_stride, k_stride, v_stride;  // elements from one row to the next
+  int64_t Hq, Hk, D;
+  float scale;
+  uint16_t* out;
+  int64_t out_stride;
+  std::vector<std::pair<int64_t, int64_t>> prompts;  // (first row, rows), each a whole prompt
+};
+bool sdpa_order_runs(int64_t head_dim);
+bool sdpa_order_verified(int64_t head_dim);
+void sdpa_order_attention(const SdpaOrderCall& call);
+
 }  // namespace quire

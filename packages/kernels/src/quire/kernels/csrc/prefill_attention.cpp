@@ -567,18 +567,26 @@ bool prefill_attention_runs(int64_t head_dim) { return amx_runs(head_dim) || avx
 // The AVX2 tiles agree with PyTorch's SDPA as closely as float32 sums in another order allow (~90% of bfloat16
 // outputs equal). On a CPU with AVX-512 BF16 (AMD Zen 4, Intel since Cooper Lake) PyTorch's and oneDNN's bfloat16
 // kernels take other paths, and there that difference was enough for three test models' bfloat16 greedy ids to
-// leave transformers' where its margins are clear (an AVX2 Zen 3 keeps them): whole prompts keep SDPA there
-// unless AMX runs them.
-bool prefill_attention_available(int64_t head_dim) {
-#ifdef __AVX512BF16__
-  return amx_runs(head_dim);
-#else
-  return prefill_attention_runs(head_dim);
+// leave transformers' where its margins are clear (an AVX2 Zen 3 keeps them): there whole prompts take AMX, or
+// the kernel in PyTorch's own order where it gives PyTorch's bits on this machine (prefill_sdpa_order.cpp), or
+// else keep SDPA.
+std::string prefill_attention_path(int64_t head_dim) {
+  if (amx_runs(head_dim)) return "amx";
+  if (quire::sdpa_order_verified(head_dim)) return "pytorch order";
+#ifndef __AVX512BF16__
+  if (avx2_runs(head_dim)) return "avx2";
 #endif
+  return "";
 }
 
-void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
-                       torch::Tensor out) {
+bool prefill_attention_available(int64_t head_dim) { return !prefill_attention_path(head_dim).empty(); }
+
+namespace {
+
+// The checked arguments of a call, and its prompts (none where every range is empty); the tensors whose rows it
+// reads are kept in `rows`.
+Call checked_call(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, double scale,
+                  const torch::Tensor& ranges, const torch::Tensor& out, bool runs, std::vector<torch::Tensor>& rows) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "prefill_attention: [T, heads, head_dim] expected");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
@@ -592,20 +600,20 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
               "prefill_attention: out must be a contiguous bfloat16 tensor shaped like query");
   TORCH_CHECK(ranges.dim() == 2 && ranges.size(1) == 2 && ranges.scalar_type() == torch::kInt64 && ranges.is_cpu(),
               "prefill_attention: ranges must be an int64 [prompts, 2] tensor of (start, end) rows");
-  TORCH_CHECK(prefill_attention_runs(D), "prefill_attention: not available for head_dim ", D, " in this build");
+  TORCH_CHECK(runs, "prefill_attention: not available for head_dim ", D, " in this build");
   // rows may be strided (views into a fused projection); within a row, heads and dims must be dense
   auto dense_rows = [](const torch::Tensor& t) {
     return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
   };
-  const auto q = dense_rows(query), k = dense_rows(key), v = dense_rows(value);
-  const auto bounds = ranges.contiguous();
-  const int64_t* bound = bounds.data_ptr<int64_t>();
+  rows = {dense_rows(query), dense_rows(key), dense_rows(value), ranges.contiguous()};
+  const auto &q = rows[0], &k = rows[1], &v = rows[2];
+  const int64_t* bound = rows[3].data_ptr<int64_t>();
   Call call{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
             q.stride(0), k.stride(0), v.stride(0), Hq, Hk, D, static_cast<float>(scale),
             reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), {}, 0};
-  for (int64_t i = 0; i < bounds.size(0); ++i) {
+  for (int64_t i = 0; i < ranges.size(0); ++i) {
     const int64_t start = bound[2 * i], end = bound[2 * i + 1];
     TORCH_CHECK(0 <= start && start <= end && end <= T, "prefill_attention: range ", i, " (", start, ", ", end,
                 ") is outside the ", T, " rows");
@@ -613,11 +621,37 @@ void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor val
     call.prompts.push_back({start, end - start, call.packed_size});
     call.packed_size += Hk * quire::round_up(end - start, 32) * D;
   }
+  return call;
+}
+
+void attend_pytorch_order(const Call& call) {
+  quire::SdpaOrderCall same{call.query, call.key, call.value, call.q_stride, call.k_stride, call.v_stride,
+                            call.Hq, call.Hk, call.D, call.scale, call.out, call.Hq * call.D, {}};
+  for (const Prompt& prompt : call.prompts) same.prompts.emplace_back(prompt.start, prompt.length);
+  quire::sdpa_order_attention(same);
+}
+
+}  // namespace
+
+void prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale, torch::Tensor ranges,
+                       torch::Tensor out) {
+  std::vector<torch::Tensor> rows;
+  const int64_t D = query.dim() == 3 ? query.size(2) : 0;
+  const Call call = checked_call(query, key, value, scale, ranges, out, prefill_attention_runs(D), rows);
   if (call.prompts.empty()) return;
 #ifdef QUIRE_AMX
   if (amx_runs(D)) return attend_amx(call);
 #endif
+  if (quire::sdpa_order_verified(D)) return attend_pytorch_order(call);
 #ifdef QUIRE_AVX2_ATTENTION
   attend_avx2(call);
 #endif
+}
+
+void prefill_attention_pytorch_order(torch::Tensor query, torch::Tensor key, torch::Tensor value, double scale,
+                                     torch::Tensor ranges, torch::Tensor out) {
+  std::vector<torch::Tensor> rows;
+  const int64_t D = query.dim() == 3 ? query.size(2) : 0;
+  const Call call = checked_call(query, key, value, scale, ranges, out, quire::sdpa_order_runs(D), rows);
+  if (!call.prompts.empty()) attend_pytorch_order(call);
 }
