@@ -7,7 +7,7 @@ configuration runs in its own subprocess, one at a time, and measures:
 
 - batch-1 decode: a 32-token prompt, 128 greedy tokens; tokens/s = 127 / (time of 128 tokens - time of 1),
   median of 3 after a warm-up, and the fraction of the bandwidth bound (weight bytes read per token over the
-  measured copy bandwidth);
+  measured copy bandwidth), and beside it the fraction of a read-only stream's bandwidth;
 - prefill: one 512-token and one 2,048-token prompt with max_tokens=1, prompt tokens/s (median of 3), and
   the fraction of the measured matmul throughput at 2,048 tokens;
 - offline throughput: 64 requests of 128 prompt and 128 output tokens, output tokens/s (median of 2 after
@@ -241,7 +241,8 @@ def vllm_venv(cache: Path, skip_install: bool) -> Path | None:
 
 
 def machine_bounds() -> dict:
-    """Copy bandwidth (bytes read + written per second, 1 GiB, best of 3) and matmul GFLOP/s (2048^3)."""
+    """Copy bandwidth (bytes read + written per second, 1 GiB, best of 3), read bandwidth (the same GiB read
+    once, best of 3) and matmul GFLOP/s (2048^3)."""
     import torch
 
     source = torch.ones(2**28, dtype=torch.float32)
@@ -253,6 +254,14 @@ def machine_bounds() -> dict:
         target.copy_(source)
         copies.append(time.perf_counter() - start)
     bounds = {"bandwidth": 2 * source.numel() * 4 / min(copies)}
+    # a read-only stream (what decoding the weights is), beside the copy: on some machines it is slower than
+    # a copy's reads and writes together (a 2-core Zen 4 VM: ~34 GB/s read against 35-50 GB/s copied)
+    reads = []
+    for _ in range(3):
+        start = time.perf_counter()
+        source.amax()
+        reads.append(time.perf_counter() - start)
+    bounds["read"] = source.numel() * 4 / min(reads)
     del source, target
     size = 2048
     for dtype in ("float32", "bfloat16"):
@@ -326,7 +335,7 @@ def _runs(values) -> str:
 
 
 def figures(result: dict, dtype: str, bounds: dict, shape: dict, load: Workload) -> list[float]:
-    """One table row's numbers: decode tok/s and its fraction of the bandwidth bound, prefill tok/s per
+    """One table row's numbers: decode tok/s and its fractions of the copy and read bounds, prefill tok/s per
     length and the longest one's fraction of float32 matmul throughput and of the faster of float32 and the
     row's own dtype (a bfloat16 engine may compute in float32 where the CPU has no bfloat16 matrix path: on
     AVX2, PyTorch's bfloat16 matmul is a generic loop, and a fraction of it means nothing), offline output tok/s."""
@@ -335,7 +344,8 @@ def figures(result: dict, dtype: str, bounds: dict, shape: dict, load: Workload)
     longest = load.prefill_lens[-1]
     flops = prefill_flops(shape, longest) / (longest / prefill[-1])
     weight_bytes = shape["num_params"] * (4 if dtype == "float32" else 2)
-    return [decode, decode * weight_bytes / bounds["bandwidth"], *prefill, flops / bounds["float32"],
+    return [decode, decode * weight_bytes / bounds["bandwidth"], decode * weight_bytes / bounds["read"], *prefill,
+            flops / bounds["float32"],
             flops / max(bounds[dtype], bounds["float32"]), statistics.median(result["throughput"])]
 
 
@@ -343,7 +353,8 @@ def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title
     from cpu_performance import table
 
     lengths = load.prefill_lens
-    header = ["engine", "batch-1 tok/s", "fraction of bandwidth bound", *(f"prefill {n} tok/s" for n in lengths),
+    header = ["engine", "batch-1 tok/s", "fraction of bandwidth bound", "fraction of read-only bound",
+              *(f"prefill {n} tok/s" for n in lengths),
               f"fraction of float32 matmul ({lengths[-1]})",
               f"fraction of best matmul, own dtype or float32 ({lengths[-1]})",
               f"{load.num_requests}x{load.prompt_len}/{load.output_len} output tok/s"]
@@ -438,7 +449,8 @@ def main() -> None:
     bounds = machine_bounds()
     print(f"# Peers benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n\nweights: {folder} "
           f"({shape['num_params'] / 1e6:.1f}M parameters, {shape['num_non_embedding'] / 1e6:.1f}M without the "
-          f"embedding)\ncopy bandwidth (read + write, 1 GiB, best of 3): {bounds['bandwidth'] / 1e9:.1f} GB/s\n"
+          f"embedding)\ncopy bandwidth (read + write, 1 GiB, best of 3): {bounds['bandwidth'] / 1e9:.1f} GB/s; "
+          f"read only: {bounds['read'] / 1e9:.1f} GB/s\n"
           f"matmul 2048x2048 (best of 3): float32 {bounds['float32'] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {bounds['bfloat16'] / 1e9:.1f} GFLOP/s\nworkload: {load}; serving: {serving_load}")
     configs = peer_configs(engines, venv)

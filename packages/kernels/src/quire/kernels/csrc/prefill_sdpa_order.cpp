@@ -426,7 +426,7 @@ bool equals_pytorch(int64_t D) {
     state = state * 1664525u + 1013904223u;
     return (static_cast<float>(state >> 8) / 16777216.f - 0.5f) * 6.f;
   };
-  for (const int64_t T : {1, 21, 45, 194, 200, 301, 533, 769, 772, 962, 1030}) {
+  for (const int64_t T : {1, 21, 37, 45, 194, 200, 301, 533, 769, 772, 962, 1030}) {
     const int64_t Hq = T <= 533 ? 4 : 2, Hk = T <= 533 ? 2 : 1;
     auto qkv = torch::empty({T, (Hq + 2 * Hk) * D}, torch::kFloat32);
     float* values = qkv.data_ptr<float>();
