@@ -25,6 +25,9 @@ inline uint16_t float_to_bf16(float v) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// As PyTorch's Tensor.to() stores a float as bfloat16: nearest even, NaN as its canonical quiet NaN.
+inline uint16_t float_to_bf16_as_torch(float v) { return v != v ? uint16_t{0x7FC0} : float_to_bf16(v); }
+
 #if defined(__AVX512F__)
 // Sixteen bfloat16 (bits) to float32, exactly.
 inline __m512 bf16_to_float(__m256i bf16_bits) {

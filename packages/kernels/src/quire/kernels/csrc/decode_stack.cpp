@@ -210,8 +210,6 @@ const uint16_t* bf16_data(const std::optional<torch::Tensor>& t) {
   return t.has_value() ? bf16_data(*t) : nullptr;
 }
 
-// PyTorch's float -> bfloat16 (nearest even; NaN to its canonical quiet NaN), as Tensor.to() stores it
-inline uint16_t to_bf16(float v) { return std::isnan(v) ? uint16_t{0x7FC0} : float_to_bf16(v); }
 
 // run(first, last) over [0, count), claimed `chunk` at a time from a phase's counter shared by the threads
 template <typename F>
@@ -389,7 +387,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
         paged_decode_bf16_item(mine.query.data(), keys[l], values[l], table + m * max_blocks, length_of[m], kv,
                                group, Hk, D, block_size, scale, mine.attention.data(), mine.scratch);
         uint16_t* dst = attention_out + m * 2 * P_q + kv * group * D;
-        for (int64_t i = 0; i < group * D; ++i) dst[i] = to_bf16(mine.attention[i]);
+        for (int64_t i = 0; i < group * D; ++i) dst[i] = float_to_bf16_as_torch(mine.attention[i]);
       }));
 #pragma omp barrier
       // o_proj
@@ -558,7 +556,7 @@ torch::Tensor DecodeStack::forward_one_row(const torch::Tensor& hidden, const st
           widen_into(mine.query.data(), group * D, mine.query_f.data());
           paged_decode_heads_bf16(mine.query_f.data(), keys[l], values[l], table, length, kv, kv + 1, group, Hk, D,
                                   block_size, scale, mine.attention.data());
-          for (int64_t i = 0; i < group * D; ++i) attention[kv * group * D + i] = to_bf16(mine.attention[i]);
+          for (int64_t i = 0; i < group * D; ++i) attention[kv * group * D + i] = float_to_bf16_as_torch(mine.attention[i]);
         }
       });
 #pragma omp barrier

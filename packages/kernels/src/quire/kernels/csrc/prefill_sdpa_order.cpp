@@ -39,6 +39,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -46,7 +47,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -58,27 +58,15 @@
 #ifdef QUIRE_SDPA_ORDER
 namespace {
 
+using quire::bf16_to_float;
+using quire::float_to_bf16_as_torch;
+
 constexpr int64_t kRows = 6;       // query rows per tile
 constexpr int64_t kSplit = 512;    // keys per softmax block (PyTorch's kv split)
 constexpr int64_t kChunk = 64;     // keys per score tile
 constexpr int64_t kMaxDim = 128;   // head sizes up to this (the ones swept here; past 192 MKL would split the scores)
 
-inline float bf16_value(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// PyTorch's float -> bfloat16 (nearest even; NaN to its canonical quiet NaN)
-inline uint16_t to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-inline float bf16_rounded(float f) { return bf16_value(to_bf16(f)); }
+inline float bf16_rounded(float f) { return bf16_to_float(float_to_bf16_as_torch(f)); }
 
 // lanes rounded to bfloat16 (nearest even) and kept as float32 (P is finite and >= 0 here)
 inline __m512 bf16_rounded(__m512 x) {
@@ -190,7 +178,7 @@ void attend_tile(const uint16_t* query, int64_t q_stride, const float* keys_t, c
   float* Q = w.query.data();
   float* O = w.out.data();
   for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t d = 0; d < D; ++d) Q[r * D + d] = r < rows ? bf16_value(query[(r0 + r) * q_stride + d]) : 0.f;
+    for (int64_t d = 0; d < D; ++d) Q[r * D + d] = r < rows ? bf16_to_float(query[(r0 + r) * q_stride + d]) : 0.f;
   const float minus_inf = -std::numeric_limits<float>::infinity();
   float maxima[kRows], sums[kRows];
   std::fill(maxima, maxima + kRows, minus_inf);
@@ -286,7 +274,7 @@ void attend_tile(const uint16_t* query, int64_t q_stride, const float* keys_t, c
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inverse = 1 / (sums[r] == 0.f ? 1.f : sums[r]);
-    for (int64_t d = 0; d < D; ++d) out[(r0 + r) * out_stride + d] = to_bf16(O[r * D + d] * inverse);
+    for (int64_t d = 0; d < D; ++d) out[(r0 + r) * out_stride + d] = float_to_bf16_as_torch(O[r * D + d] * inverse);
   }
 }
 
@@ -348,7 +336,7 @@ void sdpa_order_attention(const SdpaOrderCall& all) {
   for (const auto& [start, length] : call.prompts) {
     key_offset.push_back(key_size);
     value_offset.push_back(value_size);
-    key_size += Hk * (length + kChunk - 1) / kChunk * kChunk * D;
+    key_size += Hk * round_up(length, kChunk) * D;
     value_size += Hk * length * D;
   }
   std::vector<float> keys_t(key_size, 0.f), values(value_size);
@@ -365,7 +353,7 @@ void sdpa_order_attention(const SdpaOrderCall& all) {
     for (int64_t index = begin; index < end; ++index) {
       const auto [i, g, t0] = packing[index];
       const auto [start, length] = call.prompts[i];
-      const int64_t Tp = (length + kChunk - 1) / kChunk * kChunk;
+      const int64_t Tp = round_up(length, kChunk);
       float* k_dst = keys_t.data() + key_offset[i] + g * Tp * D + t0 * D;
       uint16_t exponents = 0;  // of the values whose exponent is all ones (inf, NaN)
       for (int64_t t = t0; t < std::min(length, t0 + 16); ++t) {
@@ -373,8 +361,8 @@ void sdpa_order_attention(const SdpaOrderCall& all) {
         const uint16_t* v_row = call.value + (start + t) * call.v_stride + g * D;
         float* v_dst = values.data() + value_offset[i] + (g * length + t) * D;
         for (int64_t d = 0; d < D; ++d) {
-          k_dst[d * 16 + (t - t0)] = bf16_value(k_row[d]);
-          v_dst[d] = bf16_value(v_row[d]);
+          k_dst[d * 16 + (t - t0)] = bf16_to_float(k_row[d]);
+          v_dst[d] = bf16_to_float(v_row[d]);
           exponents |= (v_row[d] & 0x7F80) == 0x7F80;
         }
       }
@@ -400,7 +388,7 @@ void sdpa_order_attention(const SdpaOrderCall& all) {
     for (int64_t index = begin; index < end; ++index) {
       const auto [i, h, tile] = work[index];
       const auto [start, length] = call.prompts[i];
-      const int64_t g = h / group, Tp = (length + kChunk - 1) / kChunk * kChunk;
+      const int64_t g = h / group, Tp = round_up(length, kChunk);
       attend_tile(call.query + start * call.q_stride + h * D, call.q_stride,
                   keys_t.data() + key_offset[i] + g * Tp * D, values.data() + value_offset[i] + g * length * D,
                   length, D, tile * kRows, call.scale, call.out + start * call.out_stride + h * D, call.out_stride,
@@ -408,7 +396,7 @@ void sdpa_order_attention(const SdpaOrderCall& all) {
     }
   });
 #else
-  (void)call;
+  (void)all;
   TORCH_CHECK(false, "sdpa_order_attention: this build has no AVX-512");
 #endif
 }
