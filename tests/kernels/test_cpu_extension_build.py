@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -167,6 +168,27 @@ def test_the_build_command_loads_an_existing_build():
     built = run_python("-m", "quire.kernels", "build", QUIRE_CPU_KERNELS="1")
     assert built.returncode == 0, built.stderr
     assert built.stdout.startswith("C++ CPU kernels (built; ") and "Building" not in built.stderr
+
+
+def test_the_environment_s_own_ninja_runs_the_build_whatever_else_path_holds(tmp_path):
+    """Another ninja earlier on PATH (a system one of another version) is not used: it would read the build's
+    log as stale and rebuild everything."""
+    if cpu_extension.load() is None:
+        pytest.skip("the C++ CPU kernels do not build on this machine")
+    other = tmp_path / "bin"
+    other.mkdir()
+    marker = tmp_path / "the other ninja ran"
+    # it passes the work on to the real one, so that a failure here leaves the build directory as it was
+    own = Path(sys.executable).parent / "ninja"
+    if not own.is_file():
+        pytest.skip("no ninja next to this interpreter")
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch '{marker}'\nexec '{own}' \"$@\"\n")
+    (other / "ninja").chmod(0o755)
+    built = run_python("-m", "quire.kernels", "build", QUIRE_CPU_KERNELS="1",
+                       PATH=f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.startswith("C++ CPU kernels (built; ") and "Building" not in built.stderr
+    assert not marker.exists()
 
 
 def test_an_engine_starts_past_a_stale_torch_lock_in_the_real_build_directory():

@@ -166,6 +166,13 @@ def _cpu_flags() -> bytes:
 
 
 def _put_ninja_on_path() -> None:
-    # pip installs ninja's executable next to this interpreter, which may not be on PATH
-    if shutil.which("ninja") is None:
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    """Put the ninja pip installed next to this interpreter (a dependency) first on PATH.
+
+    NOTE: not only when PATH has no ninja: a system ninja of another version reads the build directory's
+    log as stale and rebuilds every object, so a shell with the environment activated and one calling its
+    interpreter directly would rebuild the kernels in turn (1.11 against 1.13: 2-3 minutes each time)."""
+    bin_dir = Path(sys.executable).parent
+    own = bin_dir / ("ninja.exe" if os.name == "nt" else "ninja")
+    found = shutil.which("ninja")
+    if found is None or (own.is_file() and Path(found).resolve() != own.resolve()):
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
