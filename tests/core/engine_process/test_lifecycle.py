@@ -40,8 +40,35 @@ def test_greedy_over_zmq_equals_in_process_and_transformers(llama_checkpoint, co
     assert torch.get_num_threads() == in_process.llm_engine.get_stats()["num_threads"]
     pid, socket_dir = client.process.pid, Path(client._resources.socket_dir)
     assert socket_dir.is_dir()
+    assert_malloc_on_huge_pages(pid)
     over_zmq.shutdown()
     assert not pid_alive(pid) and not socket_dir.exists()
+
+
+def assert_malloc_on_huge_pages(pid: int) -> None:
+    """The engine process starts with glibc's malloc asking for transparent huge pages, and (where glibc and
+    the kernel offer them: glibc 2.35 on, transparent huge pages not "never") its large blocks are on them."""
+    environment = dict(entry.split("=", 1) for entry in
+                       Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in entry)
+    assert "glibc.malloc.hugetlb=1" in environment["GLIBC_TUNABLES"].split(":")
+    libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if (libc.startswith("glibc ") and tuple(map(int, libc.split()[1].split(".")[:2])) >= (2, 35)
+            and thp.exists() and "[never]" not in thp.read_text()):
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        huge_kb = int(rollup.split("AnonHugePages:")[1].split()[0])
+        assert huge_kb >= 2048, rollup
+
+
+def test_the_caller_s_own_malloc_tunables_reach_the_engine_and_a_hugetlb_choice_of_its_own_wins(monkeypatch):
+    from quire.core.engine.mp_client import engine_environment
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
 
 
 def test_sigkill_of_the_engine_fails_every_waiting_caller(make_async_llm):

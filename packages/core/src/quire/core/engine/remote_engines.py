@@ -205,7 +205,7 @@ class RayEngineLauncher:
         actor = self.actor_class.options(
             num_cpus=config.num_threads or 1, scheduling_strategy="SPREAD",
             runtime_env={"env_vars": {key: value for key, value in engine_environment().items()
-                                      if key.startswith(("GOMP_", "OMP_", "QUIRE_"))}},
+                                      if key.startswith(("GOMP_", "OMP_", "QUIRE_", "GLIBC_"))}},
         ).remote()
         run = actor.run.remote(msgspec.msgpack.encode(config), resources.input_address, resources.output_address)
         return RayEngine(self.ray, actor, run, f"{config.parallel.data_parallel_rank} (Ray actor)")
