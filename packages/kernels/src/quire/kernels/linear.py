@@ -44,6 +44,14 @@ def bf16_path() -> str:
     return "kernel" if kernels is not None and kernels.linear_bf16_vectorized() else "torch"
 
 
+@functools.cache
+def amx_matmul() -> bool:
+    """Whether oneDNN multiplies this process's bfloat16 linear layers on AMX tiles (the ``onednn`` path on a
+    CPU with AMX): there its kernels want many rows at once (``quire.core.models.llama.cpu_mlp_chunk_rows``)."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private: absent, AMX is not assumed
+    return bf16_path() == "onednn" and supported is not None and bool(supported())
+
+
 def prepack(weight: torch.Tensor) -> PackedLinear:
     """``(x, bias) -> x @ weight.T + bias`` from ``weight`` (``[out, in]``) prepared once for this CPU's
     fastest bfloat16 path (only when ``can_prepack(weight)``)."""

@@ -1,0 +1,27 @@
+"""How many rows a long CPU step's MLP takes at a time (``quire.core.models.llama.cpu_mlp_chunk_rows``)."""
+
+from pathlib import Path
+
+import torch
+
+from quire.core.models import llama
+from quire.kernels import linear as linear_ops
+
+
+def test_amx_matmul_is_said_exactly_where_onednn_runs_bfloat16_on_a_cpu_with_amx_tiles():
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    assert linear_ops.amx_matmul() == (linear_ops.bf16_path() == "onednn" and "amx_tile" in flags)
+
+
+def test_bfloat16_on_amx_tiles_takes_up_to_2048_rows_while_the_intermediate_stays_under_glibc_s_mmap_threshold(
+        monkeypatch):
+    monkeypatch.setattr(linear_ops, "amx_matmul", lambda: True)
+    assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 2048  # SmolLM2-135M: 12 MiB of intermediate
+    assert llama.cpu_mlp_chunk_rows(4864, torch.bfloat16) == 1024  # Qwen2.5-0.5B: 2,048 rows would be 38 MiB
+    assert llama.cpu_mlp_chunk_rows(8192, torch.bfloat16) == 1024  # 32 MiB exactly is still under it
+    assert llama.cpu_mlp_chunk_rows(8193, torch.bfloat16) == 512
+    assert llama.cpu_mlp_chunk_rows(1536, torch.float32) == llama.CPU_MLP_CHUNK_ROWS == 512
+    monkeypatch.setattr(linear_ops, "amx_matmul", lambda: False)
+    assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 512
+
