@@ -19,9 +19,8 @@ def test_bfloat16_on_amx_tiles_takes_up_to_2048_rows_while_the_intermediate_stay
     monkeypatch.setattr(linear_ops, "amx_matmul", lambda: True)
     assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 2048  # SmolLM2-135M: 12 MiB of intermediate
     assert llama.cpu_mlp_chunk_rows(4864, torch.bfloat16) == 1024  # Qwen2.5-0.5B: 2,048 rows would be 38 MiB
-    assert llama.cpu_mlp_chunk_rows(8192, torch.bfloat16) == 1024  # 32 MiB exactly is still under it
-    assert llama.cpu_mlp_chunk_rows(8193, torch.bfloat16) == 512
+    assert llama.cpu_mlp_chunk_rows(8191, torch.bfloat16) == 1024  # just under 32 MiB
+    assert llama.cpu_mlp_chunk_rows(8192, torch.bfloat16) == 512  # 32 MiB and malloc's header: mapped afresh
     assert llama.cpu_mlp_chunk_rows(1536, torch.float32) == llama.CPU_MLP_CHUNK_ROWS == 512
     monkeypatch.setattr(linear_ops, "amx_matmul", lambda: False)
     assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 512
-

@@ -101,7 +101,7 @@ def cpu_mlp_chunk_rows(intermediate_size: int, dtype: torch.dtype) -> int:
     rows = CPU_MLP_CHUNK_ROWS
     if dtype == torch.bfloat16 and linear_ops.amx_matmul():
         bytes_per_row = 2 * intermediate_size * dtype.itemsize
-        while rows < AMX_MLP_CHUNK_ROWS and 2 * rows * bytes_per_row <= GLIBC_MMAP_THRESHOLD_MAX:
+        while rows < AMX_MLP_CHUNK_ROWS and 2 * rows * bytes_per_row < GLIBC_MMAP_THRESHOLD_MAX:
             rows *= 2
     return rows
 
