@@ -45,6 +45,7 @@ from quire.openai_server.protocol import (
 )
 from quire.openai_server.serving import OUTER_SEND, ServerState
 from quire.openai_server.settings import ServerSettings
+from quire.openai_server.short_path import ShortGenerationPath
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503, 504)}
 # with "stream": true the generation routes answer with server-sent events
@@ -53,10 +54,20 @@ _DISCONNECTED = 499  # the client went away before the answer; nobody reads this
 
 
 class QuireApp(FastAPI):
-    """FastAPI that keeps the server's own ``send`` in the scope (``OUTER_SEND``) for streamed events."""
+    """FastAPI that keeps the server's own ``send`` in the scope (``OUTER_SEND``) for streamed events, and answers
+    the generation routes on their short path (``ShortGenerationPath``) unless ``use_short_path`` is False."""
+
+    use_short_path = True
+    _short_path: ShortGenerationPath | None | bool = False  # False: not built yet (on the first request)
 
     async def __call__(self, scope, receive, send) -> None:
         scope[OUTER_SEND] = send
+        if self.use_short_path:
+            short_path = self._short_path
+            if short_path is False:
+                short_path = self._short_path = ShortGenerationPath.for_app(self)
+            if short_path is not None and short_path.handles(scope):
+                return await short_path(scope, receive, send)
         await super().__call__(scope, receive, send)
 
 
