@@ -134,6 +134,24 @@ ONEDNN_GEMV_ROWS = CPU_KERNELS.onednn_gemv_max_rows() if _ONEDNN_GEMV else 0
 
 
 @needs_onednn_gemv
+@pytest.mark.skipif(ONEDNN_GEMV_ROWS != 32, reason="no AMX tiles here (more than 8 rows go to oneDNN or vdpbf16ps)")
+@pytest.mark.parametrize("out_features,in_features", [(80, 192), (49, 96), (33, 70)])
+def test_onednn_gemv_amx_tiles_give_each_row_the_same_bits_from_9_to_32_rows(out_features, in_features):
+    """9 to 16 rows go through 16-row AMX tiles (two k-steps in flight), more through 32-row tiles: each sum takes
+    the same k-steps in the same order, so a row's outputs do not depend on the row count (an even and an odd
+    number of 32-wide k-steps)."""
+    torch.manual_seed(in_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = linear_ops.prepack(weight)
+    x = torch.randn(32, in_features).to(torch.bfloat16)
+    every = CPU_KERNELS.onednn_gemv(x, packed.packed, bias)
+    assert_within_float32_sum(every, x, weight, bias)
+    for rows in range(9, 32):
+        assert torch.equal(CPU_KERNELS.onednn_gemv(x[:rows], packed.packed, bias), every[:rows]), rows
+
+
+@needs_onednn_gemv
 @pytest.mark.skipif(not ONEDNN_GEMV_LAYOUT, reason="this CPU's oneDNN packs bfloat16 weights in other blocks")
 @pytest.mark.parametrize("out_features,in_features", [(80, 96), (49, 70), (33, 64), (576, 1536), (7, 3)])
 def test_onednn_gemv_reads_the_packed_weight_and_equals_float32_accumulation(out_features, in_features):
