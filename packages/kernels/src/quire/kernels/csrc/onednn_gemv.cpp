@@ -358,10 +358,16 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #ifdef QUIRE_ONEDNN_AMX
   if (M > kGemvRows && quire::amx_permitted() && g_width.load() != 2 * kBlock) {
-    // x padded with zeros to whole tiles: rows to 16 (amx_block16) or a multiple of 32, columns to Kp
+    // x padded with zeros to whole tiles (rows to 16 for amx_block16 or a multiple of 32, columns to Kp), or x
+    // itself where it fills them
     const int64_t pass = M <= 16 ? 16 : 32, Mp = quire::round_up(M, pass), Kp = 2 * P;
-    std::vector<uint16_t> padded(Mp * Kp, 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * Kp], xs + m * K, K * 2);
+    std::vector<uint16_t> padding;
+    const uint16_t* tiles_x = xs;
+    if (Mp != M || Kp != K) {
+      padding.assign(Mp * Kp, 0);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(&padding[m * Kp], xs + m * K, K * 2);
+      tiles_x = padding.data();
+    }
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
       _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
       alignas(64) float sums[32 * 32];
@@ -370,9 +376,9 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
         const int64_t n0 = b * kBlock, count = std::min(kBlock, N - n0);
         for (int64_t r0 = 0; r0 < M; r0 += pass) {
           if (pass == 16) {
-            amx_block16(padded.data(), Kp, block, sums);
+            amx_block16(tiles_x, Kp, block, sums);
           } else {
-            amx_block(padded.data() + r0 * Kp, Kp, block, sums);
+            amx_block(tiles_x + r0 * Kp, Kp, block, sums);
           }
           for (int64_t r = 0; r < std::min<int64_t>(pass, M - r0); ++r) {
             uint16_t* dst = y + (r0 + r) * N + n0;
