@@ -111,3 +111,22 @@ def test_the_short_path_keeps_the_apps_middleware(fake):
                        for client in (short, long)]
             assert allowed[0] == allowed[1], headers
     assert answered == [C] * 4  # the requests with the right key (two each): the others end in the middleware
+
+
+def test_an_unexpected_error_is_a_500_and_reaches_the_server(fake, monkeypatch):
+    """As Starlette's ServerErrorMiddleware does: the app's 500 answer, then the error goes on to the server. (The
+    short path's 500 passes the app's middleware, so it carries the request id, which ``ServerMiddleware`` puts on
+    every response; FastAPI answers it outside the middleware, without.)"""
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    short, long, answered = _clients(fake)
+    monkeypatch.setattr(fake, "add_request", broken)
+    with short, long:
+        status, kind, request_id, body = _answer(short, C, {"prompt": "x"}, JSON)
+        assert (status, kind, body) == (lambda a: (a[0], a[1], a[3]))(_answer(long, C, {"prompt": "x"}, JSON))
+        assert status == 500 and request_id == "same-id" and body["error"]["code"] == "internal_error"
+    strict = TestClient(short.app)  # raise_server_exceptions: what reaches the server is raised here
+    with strict, pytest.raises(RuntimeError, match="a bug"):
+        strict.post(C, json={"prompt": "x"})
+    assert answered == [C, C]

@@ -18,6 +18,7 @@ import json
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError, ResponseValidationError
+from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
@@ -83,11 +84,15 @@ class ShortGenerationPath:
     async def _handle(self, request: Request, error: Exception) -> tuple[Response, bool]:
         """The app's answer to ``error`` and whether it was unexpected (no handler below the 500 one)."""
         handlers = self.app.exception_handlers
-        handler = next((handlers[kind] for kind in type(error).__mro__ if kind in handlers and kind is not Exception),
-                       None)
+        handler = handlers.get(error.status_code) if isinstance(error, HTTPException) else None
+        if handler is None:
+            handler = next((handlers[kind] for kind in type(error).__mro__
+                            if kind in handlers and kind is not Exception), None)
         unexpected = handler is None
         if unexpected:
-            handler = handlers.get(500) or handlers[Exception]
+            handler = handlers.get(500) or handlers.get(Exception)
+            if handler is None:
+                return PlainTextResponse("Internal Server Error", status_code=500), True
         response = handler(request, error)
         if inspect.isawaitable(response):
             response = await response
