@@ -19,6 +19,8 @@ CASES = [
     (C, {"prompt": [-1]}, 400, "invalid_value", "prompt"),
     (C, {"prompt": [999999]}, 400, "invalid_value", "prompt"),
     (C, {"prompt": 12}, 400, None, "prompt"),
+    (C, b'{"prompt": "a \\ud800 b"}', 400, "invalid_value", "prompt"),  # an unpaired surrogate, escaped
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "invalid_value", "messages"),
     (C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (C, {"prompt": "x", "max_tokens": -5}, 400, "invalid_value", "max_tokens"),
     (C, {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded", "max_tokens"),

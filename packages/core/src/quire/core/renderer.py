@@ -162,7 +162,13 @@ class Renderer:
         return images
 
     def _text_token_ids(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        token_ids = self.tokenize(text, add_special_tokens)
+        try:
+            token_ids = self.tokenize(text, add_special_tokens)
+        except (TypeError, UnicodeEncodeError):
+            if _is_text(text):
+                raise
+            raise ValidationError(f"{param} is not valid Unicode text: it holds an unpaired surrogate (such as "
+                                  "a lone \\ud800 escape in JSON)", param=param) from None
         self._check_no_placeholders(token_ids, param)
         return token_ids
 
@@ -270,3 +276,12 @@ def _template_tool_call(param: str, call: Any) -> dict[str, Any]:
             raise ValidationError(f"{param}.function.arguments is not valid JSON",
                                   param=f"{param}.function.arguments") from None
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (no unpaired surrogates), as a tokenizer needs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
