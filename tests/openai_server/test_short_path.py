@@ -22,6 +22,10 @@ CASES = [
     # (path, body bytes, content type or None)
     (C, b"", JSON), (C, b"", None), (C, b"null", JSON), (C, b"[1, 2, 3]", JSON), (C, b"1", JSON),
     (C, b"{not json", JSON), (C, b"\xff\xfe{", JSON), (C, b"{}", JSON),
+    # JSON that msgspec refuses and json reads (or words the error for) differently
+    (C, b'{"prompt": "x\ny"}', JSON), (C, b'{"prompt": "x", "max_tokens": 2,}', JSON),
+    (C, b'{"prompt": "x", "temperature": NaN}', JSON), (C, b'{"prompt": "x", "temperature": 1e400}', JSON),
+    (C, b'\xef\xbb\xbf{"prompt": "x", "max_tokens": 2}', JSON), (C, b'{"prompt": "\\ud800", "max_tokens": 2}', JSON),
     (C, b'{"prompt": "x", "max_tokens": 2}', None),
     (C, b'{"prompt": "x", "max_tokens": 2}', "text/plain"),
     (C, b'{"prompt": "x", "max_tokens": 2}', "application/json; charset=utf-8"),

@@ -265,16 +265,19 @@ class _ChatEvents:
 
 
 async def _stream(events: _ChatEvents, stream):
+    tail = b""  # the final output's events, written with the usage event and [DONE]: one write, not three
     try:
         async for output in stream:
-            if data := events.of(output):
+            data = events.of(output)
+            if output.finished:  # (a stream ends with its finished output)
+                tail += data
+            elif data:
                 yield data
-        if data := events.end():
-            yield data
+        tail += events.end()
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream
-        yield stream_error_event(error)
+        tail += stream_error_event(error)
     finally:
         await stream.aclose()  # a client gone mid-stream: closing the stream aborts its request
-    yield SSE_DONE
+    yield tail + SSE_DONE

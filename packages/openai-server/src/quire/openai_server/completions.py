@@ -196,17 +196,20 @@ async def _stream(events: _CompletionEvents, streams):
     # which every streamed token would otherwise pass through.
     several = len(streams) > 1
     source = merge_streams(streams) if several else streams[0]
+    tail = b""  # the only stream's final events, written with the usage event and [DONE]: one write, not three
     try:
         async for item in source:
             prompt_index, output = item if several else (0, item)
-            if data := events.of(prompt_index, output):
+            data = events.of(prompt_index, output)
+            if output.finished and not several:  # (a stream ends with its finished output)
+                tail += data
+            elif data:
                 yield data
-        if data := events.end():
-            yield data
+        tail += events.end()
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the stream has started: report it in the stream
-        yield stream_error_event(error)
+        tail += stream_error_event(error)
     finally:
         await source.aclose()  # a client gone mid-stream: closing the stream aborts its request
-    yield SSE_DONE
+    yield tail + SSE_DONE

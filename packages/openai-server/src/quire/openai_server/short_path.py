@@ -16,6 +16,7 @@ import email.message
 import inspect
 import json
 
+import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError, ResponseValidationError
 from fastapi.responses import PlainTextResponse
@@ -100,6 +101,7 @@ class ShortGenerationPath:
 
 
 _UNDEFINED = object()
+_decode_json = msgspec.json.Decoder().decode  # the values json.loads gives, for all it accepts (floats, big ints)
 
 
 def _fits(route: APIRoute) -> bool:
@@ -121,6 +123,10 @@ async def _json_body(request: Request):
     content_type = request.headers.get("content-type")
     if not content_type or not _is_json(content_type):
         return raw
+    try:  # msgspec first (about three times faster); whatever it refuses, json reads or words the error for
+        return _decode_json(raw)
+    except msgspec.DecodeError:
+        pass
     try:
         return json.loads(raw)
     except json.JSONDecodeError as error:
