@@ -32,8 +32,7 @@ class ShortGenerationPath:
 
     def __init__(self, app: FastAPI):
         self.app = app
-        self.routes = {route.path: route for route in app.routes
-                       if isinstance(route, APIRoute) and route.path in GENERATION_PATHS and "POST" in route.methods}
+        self.routes = {route.path: route for route in _generation_routes(app)}
         stack = self._answer
         for middleware_class, args, kwargs in reversed(app.user_middleware):  # as Starlette stacks them
             stack = middleware_class(stack, *args, **kwargs)
@@ -42,7 +41,7 @@ class ShortGenerationPath:
     @classmethod
     def for_app(cls, app: FastAPI) -> ShortGenerationPath | None:
         """The short path, or None where this FastAPI's routes lack what it uses (FastAPI then answers)."""
-        routes = [route for route in app.routes if isinstance(route, APIRoute) and route.path in GENERATION_PATHS]
+        routes = _generation_routes(app)
         if not routes or not all(_fits(route) for route in routes):
             return None
         return cls(app)
@@ -102,6 +101,11 @@ class ShortGenerationPath:
 
 _UNDEFINED = object()
 _decode_json = msgspec.json.Decoder().decode  # the values json.loads gives, for all it accepts (floats, big ints)
+
+
+def _generation_routes(app: FastAPI) -> list[APIRoute]:
+    return [route for route in app.routes
+            if isinstance(route, APIRoute) and route.path in GENERATION_PATHS and "POST" in route.methods]
 
 
 def _fits(route: APIRoute) -> bool:

@@ -227,14 +227,14 @@ inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, floa
 // leaves operand tiles for two k-steps in flight (2: x, 3-4: the k-pairs of outputs 0-15 and 16-31; then 5, 6-7),
 // so a k-step's loads need not wait until the step before has read its tiles. 30 layers of SmolLM2-135M's linears
 // at 16 rows, weights from memory, two AMX cores: 9.2 ms against 11.0 for the 32-row tiles above (padded from 16),
-// 4.7 against 6.0 with the weights in cache; at 32 rows two such passes were no faster than amx_block. Each sum
+// 4.7 against 5.9 with the weights in cache; at 32 rows two such passes were no faster than amx_block. Each sum
 // takes the k-steps in amx_block's order: the same bits.
 inline void amx_block16(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   int64_t k = 0;
   for (; k + 64 <= Kp; k += 64) {
-    const uint16_t* rows = block + (k / 2) * 2 * kBlock;  // 16 k-pairs from k on; the next 16 are 32 blocks on
+    const uint16_t* rows = block + (k / 2) * 2 * kBlock;  // 16 k-pairs from k on; the next 16 from 32 * kBlock on
     _tile_loadd(2, x + k, Kp * 2);
     _tile_loadd(3, rows, 4 * kBlock);
     _tile_dpbf16ps(0, 2, 3);
