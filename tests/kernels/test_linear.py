@@ -131,23 +131,26 @@ ONEDNN_GEMV_LAYOUT = _ONEDNN_GEMV and CPU_KERNELS.onednn_gemv_layout(
     linear_ops.prepack(torch.randn(80, 96).to(torch.bfloat16)).packed)
 # how many rows the kernel takes: read after a weight is accepted, whose block width decides it
 ONEDNN_GEMV_ROWS = CPU_KERNELS.onednn_gemv_max_rows() if _ONEDNN_GEMV else 0
+ONEDNN_AMX_ROWS = 128  # what it takes on AMX tiles (oneDNN's 32-wide blocks); 64 on Zen 4, 8 elsewhere
 
 
 @needs_onednn_gemv
-@pytest.mark.skipif(ONEDNN_GEMV_ROWS != 32, reason="no AMX tiles here (more than 8 rows go to oneDNN or vdpbf16ps)")
+@pytest.mark.skipif(ONEDNN_GEMV_ROWS != ONEDNN_AMX_ROWS,
+                    reason="no AMX tiles here (more than 8 rows go to oneDNN or vdpbf16ps)")
 @pytest.mark.parametrize("out_features,in_features", [(80, 192), (49, 96), (33, 70)])
-def test_onednn_gemv_amx_tiles_give_each_row_the_same_bits_from_9_to_32_rows(out_features, in_features):
-    """9 to 16 rows go through 16-row AMX tiles (two k-steps in flight), more through 32-row tiles: each sum takes
-    the same k-steps in the same order, so a row's outputs do not depend on the row count (an even and an odd
-    number of 32-wide k-steps)."""
+def test_onednn_gemv_amx_tiles_give_each_row_the_same_bits_from_9_to_128_rows(out_features, in_features):
+    """Whole 32-row passes read x in place, a last pass of up to 16 rows goes through 16-row tiles (two k-steps in
+    flight), of 17 to 31 rows through padded 32-row ones (all of them padded where x's width is not whole tiles:
+    70): each sum takes the same k-steps in the same order, so a row's outputs do not depend on the row count (an
+    even and an odd number of 32-wide k-steps)."""
     torch.manual_seed(in_features)
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
     packed = linear_ops.prepack(weight)
-    x = torch.randn(32, in_features).to(torch.bfloat16)
+    x = torch.randn(ONEDNN_AMX_ROWS, in_features).to(torch.bfloat16)
     every = CPU_KERNELS.onednn_gemv(x, packed.packed, bias)
     assert_within_float32_sum(every, x, weight, bias)
-    for rows in range(9, 32):
+    for rows in range(9, ONEDNN_AMX_ROWS):
         assert torch.equal(CPU_KERNELS.onednn_gemv(x[:rows], packed.packed, bias), every[:rows]), rows
 
 
@@ -189,7 +192,7 @@ def test_onednn_gemv_gives_each_row_the_same_bits_at_every_batch_size(out_featur
     weight = torch.randn(out_features, 192).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
     packed = linear_ops.prepack(weight)
-    amx_tiles = ONEDNN_GEMV_ROWS == 32  # (32-wide blocks: more than 8 rows go to AMX tiles)
+    amx_tiles = ONEDNN_GEMV_ROWS == ONEDNN_AMX_ROWS  # (32-wide blocks: more than 8 rows go to AMX tiles)
     x = torch.randn(8 if amx_tiles else ONEDNN_GEMV_ROWS, 192).to(torch.bfloat16)
     alone = torch.cat([CPU_KERNELS.onednn_gemv(x[i:i + 1], packed.packed, bias) for i in range(len(x))])
     for rows in range(2, len(x) + 1):

@@ -70,9 +70,10 @@ constexpr int64_t kNearPairs = 16;
 constexpr int64_t kFarPairs = 48;
 constexpr int64_t kGemvRows = 8;         // rows for vdpbf16ps; more go through AMX tiles
 #ifdef QUIRE_ONEDNN_AMX
-// More rows go to oneDNN's own kernels (measured on SmolLM2-135M's layers, two AMX cores: 12 ms here against
-// 15 at 32 rows, level at 64, slower from there on; software prefetch of the weight made it slower).
-constexpr int64_t kMaxRows = 32;
+// More rows go to oneDNN's own kernels. SmolLM2-135M's 30 layers' linears, weights from memory, two AMX cores:
+// 12.6 ms here against oneDNN's 18.1 at 32 rows, 15.8-17.9 against 19.9-21.9 at 64, 22.2 against 25.0 at 96, 25.4
+// against 26.7 at 128 (software prefetch of the weight made it slower).
+constexpr int64_t kMaxRows = 128;
 #else
 constexpr int64_t kMaxRows = kGemvRows;
 #endif
@@ -358,15 +359,22 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #ifdef QUIRE_ONEDNN_AMX
   if (M > kGemvRows && quire::amx_permitted() && g_width.load() != 2 * kBlock) {
-    // x padded with zeros to whole tiles (rows to 16 for amx_block16 or a multiple of 32, columns to Kp), or x
-    // itself where it fills them
-    const int64_t pass = M <= 16 ? 16 : 32, Mp = quire::round_up(M, pass), Kp = 2 * P;
-    std::vector<uint16_t> padding;
-    const uint16_t* tiles_x = xs;
-    if (Mp != M || Kp != K) {
-      padding.assign(Mp * Kp, 0);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(&padding[m * Kp], xs + m * K, K * 2);
-      tiles_x = padding.data();
+    const int64_t Kp = 2 * P;
+    // Rows [0, whole) go 32 at a time from x itself (its rows fill whole tiles); the rest in 16-row passes (up to 16
+    // rows: amx_block16) or 32-row ones, from a zero-padded copy unless they are 16 rows of x. (A 48-row call took 16
+    // rows of x as 32 padded ones before: 30 layers' linears from memory 21.0 -> 17.4 ms.)
+    const int64_t whole = Kp != K ? 0 : M - M % 32, tail = M - whole;
+    const int64_t tail_pass = tail > 16 ? 32 : 16;
+    torch::Tensor padding;
+    const uint16_t* copy = nullptr;
+    const bool tail_in_place = Kp == K && tail == tail_pass;  // 16 rows of x after whole ones
+    if (tail > 0 && !tail_in_place) {
+      padding = torch::zeros({tail_pass * ((tail + tail_pass - 1) / tail_pass), Kp}, x.options());
+      auto* dst = reinterpret_cast<uint16_t*>(padding.data_ptr<at::BFloat16>());
+      for (int64_t m = 0; m < tail; ++m) std::memcpy(dst + m * Kp, xs + (whole + m) * K, K * 2);
+      copy = dst;
+    } else {
+      copy = xs + whole * Kp;
     }
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
       _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
@@ -374,13 +382,8 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
       for (int64_t b = begin; b < end; ++b) {
         const uint16_t* block = group_data(w, b, P);
         const int64_t n0 = b * kBlock, count = std::min(kBlock, N - n0);
-        for (int64_t r0 = 0; r0 < M; r0 += pass) {
-          if (pass == 16) {
-            amx_block16(tiles_x, Kp, block, sums);
-          } else {
-            amx_block(tiles_x + r0 * Kp, Kp, block, sums);
-          }
-          for (int64_t r = 0; r < std::min<int64_t>(pass, M - r0); ++r) {
+        auto store = [&](int64_t r0, int64_t rows) {
+          for (int64_t r = 0; r < rows; ++r) {
             uint16_t* dst = y + (r0 + r) * N + n0;
             store16(dst, _mm512_load_ps(sums + r * 32), bias_p != nullptr ? bias_p + n0 : nullptr,
                     std::min<int64_t>(count, 16));
@@ -389,6 +392,18 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
                       count - 16);
             }
           }
+        };
+        for (int64_t r0 = 0; r0 < whole; r0 += 32) {
+          amx_block(xs + r0 * Kp, Kp, block, sums);
+          store(r0, 32);
+        }
+        for (int64_t r0 = 0; r0 < tail; r0 += tail_pass) {
+          if (tail_pass == 16) {
+            amx_block16(copy + r0 * Kp, Kp, block, sums);
+          } else {
+            amx_block(copy + r0 * Kp, Kp, block, sums);
+          }
+          store(whole + r0, std::min(tail_pass, tail - r0));
         }
       }
       _tile_release();
