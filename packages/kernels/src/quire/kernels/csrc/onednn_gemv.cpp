@@ -72,7 +72,7 @@ constexpr int64_t kGemvRows = 8;         // rows for vdpbf16ps; more go through 
 #ifdef QUIRE_ONEDNN_AMX
 // More rows go to oneDNN's own kernels. SmolLM2-135M's 30 layers' linears, weights from memory, two AMX cores:
 // 12.6 ms here against oneDNN's 18.1 at 32 rows, 15.8-17.9 against 19.9-21.9 at 64, 22.2 against 25.0 at 96, 25.4
-// against 26.7 at 128 (software prefetch of the weight made it slower).
+// against 26.7 at 128 (before prefetch_weight_ahead).
 constexpr int64_t kMaxRows = 128;
 #else
 constexpr int64_t kMaxRows = kGemvRows;
@@ -198,17 +198,30 @@ void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w,
 
 #ifdef QUIRE_ONEDNN_AMX
 
+// The packed weight `bytes` further on from 8 KB past `rows` (a k-step's share: 2 KB for 32 rows, 4 KB for two
+// k-steps of 16), every fourth line, into L2: the hardware brings each line's neighbours, and the tile loads,
+// which wait on memory otherwise, find them there. 30 layers' linears from memory, back to back: 3-6% faster at 9
+// to 64 rows (e.g. 32 rows 389 -> 366 us a layer), level at 128; in a whole decode step (attention between them)
+// 0.5-2% (16-32 rows). Prefetching every line, or into L1, or 12 KB ahead was no better. Past a thread's last block (or the weight's end) it asks for lines nobody reads: a prefetch never faults.
+inline void prefetch_weight_ahead(const uint16_t* rows, int64_t bytes) {
+  const uintptr_t from = reinterpret_cast<uintptr_t>(rows) + 8192;
+  for (int64_t offset = 0; offset < bytes; offset += 256) {
+    _mm_prefetch(reinterpret_cast<const char*>(from + offset), _MM_HINT_T1);
+  }
+}
+
 // Tiles (quire::full_tile_config) 0-3: the float32 sums of 32 rows x 32 outputs; 4-5: 16 rows of x (32 k)
 // each; 6-7: 16 k-pairs of 16 outputs each, read from the packed block's 128-byte rows.
 // sums[32 x 32] (row stride 32) = x rows [32, Kp] (row stride Kp) . one packed block of 32 outputs.
 // (W = 32 only: onednn_gemv_max_rows offers more than 8 rows just then.)
-inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
+inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums, bool ahead) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0; k < Kp; k += 32) {
     const uint16_t* rows = block + (k / 2) * 2 * kBlock;  // 16 k-pairs from k on
+    if (ahead) prefetch_weight_ahead(rows, 2048);
     _tile_loadd(4, x + k, Kp * 2);
     _tile_loadd(5, x + 16 * Kp + k, Kp * 2);
     _tile_loadd(6, rows, 4 * kBlock);          // outputs 0-15 of each k-pair
@@ -230,12 +243,13 @@ inline void amx_block(const uint16_t* x, int64_t Kp, const uint16_t* block, floa
 // at 16 rows, weights from memory, two AMX cores: 9.2 ms against 11.0 for the 32-row tiles above (padded from 16),
 // 4.7 against 5.9 with the weights in cache; at 32 rows two such passes were no faster than amx_block. Each sum
 // takes the k-steps in amx_block's order: the same bits.
-inline void amx_block16(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums) {
+inline void amx_block16(const uint16_t* x, int64_t Kp, const uint16_t* block, float* sums, bool ahead) {
   _tile_zero(0);
   _tile_zero(1);
   int64_t k = 0;
   for (; k + 64 <= Kp; k += 64) {
     const uint16_t* rows = block + (k / 2) * 2 * kBlock;  // 16 k-pairs from k on; the next 16 from 32 * kBlock on
+    if (ahead) prefetch_weight_ahead(rows, 4096);
     _tile_loadd(2, x + k, Kp * 2);
     _tile_loadd(3, rows, 4 * kBlock);
     _tile_dpbf16ps(0, 2, 3);
@@ -394,14 +408,14 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
           }
         };
         for (int64_t r0 = 0; r0 < whole; r0 += 32) {
-          amx_block(xs + r0 * Kp, Kp, block, sums);
+          amx_block(xs + r0 * Kp, Kp, block, sums, r0 == 0);  // (later passes find the block in cache)
           store(r0, 32);
         }
         for (int64_t r0 = 0; r0 < tail; r0 += tail_pass) {
           if (tail_pass == 16) {
-            amx_block16(copy + r0 * Kp, Kp, block, sums);
+            amx_block16(copy + r0 * Kp, Kp, block, sums, whole + r0 == 0);
           } else {
-            amx_block(copy + r0 * Kp, Kp, block, sums);
+            amx_block(copy + r0 * Kp, Kp, block, sums, whole + r0 == 0);
           }
           store(whole + r0, std::min(tail_pass, tail - r0));
         }
