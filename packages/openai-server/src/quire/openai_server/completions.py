@@ -146,6 +146,7 @@ class _CompletionEvents:
         self.completion_tokens = 0
         # a streamed token is the usual text chunk (``text_of``) unless the chunks carry more than text
         self.plain = not (self.continuous or self.with_logprobs or body.echo)
+        self._text_before, self._text_after = self.writer.text_pieces(0)  # (text_of's, computed once)
 
     def text_of(self, text: str, token_ids: list[int]) -> bytes | None:
         """The event of an unfinished step of a one-prompt request's only completion that carries no more than
@@ -153,8 +154,7 @@ class _CompletionEvents:
         if not self.plain:
             return None
         self.completion_tokens += len(token_ids)
-        before, after = self.writer.text_pieces(0)
-        return before + _encode_json(text) + after
+        return self._text_before + _encode_json(text) + self._text_after
 
     def of(self, prompt_index: int, output: RequestOutput) -> bytes:
         """The events of one output of prompt ``prompt_index`` (empty when it carries nothing to send)."""

@@ -147,11 +147,11 @@ class IncrementalDetokenizer:
         if piece is None:
             piece = self._decode_piece(token_id)
         self._previous_token = token_id
+        sent, output_text = self._sent_text_offset, self.output_text
         if piece:
-            self.output_text += piece
-        text = self.output_text[self._sent_text_offset:]
-        self._sent_text_offset = len(self.output_text)
-        return text
+            self.output_text = output_text = output_text + piece
+        self._sent_text_offset = len(output_text)
+        return piece if sent + len(piece) == len(output_text) else output_text[sent:]  # (the new piece: no copy)
 
     def _decode_piece(self, token_id: int) -> str:
         """A token's text from its bytes: the table's text while no character is split, else through the UTF-8

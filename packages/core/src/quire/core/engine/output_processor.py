@@ -177,7 +177,8 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
-            state.metrics.engine_index = engine_index
+            if state.metrics.engine_index != engine_index:  # (mostly the same: no write)
+                state.metrics.engine_index = engine_index
             if (state.plain and output.finish_reason is None and output.new_token_ids and not output.events
                     and output.new_logprobs is None and output.new_prompt_logprobs is None
                     and output.num_cached_tokens <= state.num_cached_tokens):
@@ -247,8 +248,11 @@ class OutputProcessor:
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.token_times.extend([now] * len(new_token_ids))
         detokenizer = state.detokenizer
+        if len(new_token_ids) == 1:
+            metrics.token_times.append(now)
+        else:
+            metrics.token_times.extend([now] * len(new_token_ids))
         if detokenizer.simple and len(new_token_ids) == 1:
             text = detokenizer.add_simple(new_token_ids[0])
         else:
