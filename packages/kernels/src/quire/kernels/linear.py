@@ -78,7 +78,7 @@ class OneDNNLinear:
     """A weight in oneDNN's blocked layout (the ``onednn`` path); oneDNN can also apply GELU or add another
     tensor in the multiply's epilogue, before the result is rounded to bfloat16.
 
-    A few rows (decode steps: up to 8; 32 with AMX; 64 where oneDNN packs 64-wide blocks, AMD Zen 4) go to
+    A few rows (decode steps: up to 8; 128 with AMX; 64 where oneDNN packs 64-wide blocks, AMD Zen 4) go to
     Quire's ``onednn_gemv`` kernel on the same packed weight when it can read its layout (``gemv_rows``: how
     many; 0 when it cannot): oneDNN's fixed cost per call is a quarter of a small layer's time there, and from
     9 rows on Zen 4 its kernels wait on memory for the weight. The C++ decoder stack makes the same choice, so
