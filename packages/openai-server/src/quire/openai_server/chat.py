@@ -204,6 +204,7 @@ class _ChatEvents:
         self.completion_tokens = 0
         # a streamed token is the usual content chunk (``text_of``) unless parsers or the chunks want more
         self.plain = not (parsers.enabled or self.continuous or body.logprobs)
+        self._text_before, self._text_after = self.writer.text_pieces(0)  # (text_of's, computed once)
 
     def text_of(self, text: str, token_ids: list[int]) -> bytes | None:
         """The event of an unfinished step of the only completion that carries no more than new text and token
@@ -211,8 +212,7 @@ class _ChatEvents:
         if not (self.plain and text and 0 in self.started):
             return None
         self.completion_tokens += len(token_ids)
-        before, after = self.writer.text_pieces(0)
-        return before + _encode_json(text) + after
+        return self._text_before + _encode_json(text) + self._text_after
 
     def _chunk(self, choices, usage_tokens=None, exact_floats=False) -> bytes:
         usage = None if usage_tokens is None else {
