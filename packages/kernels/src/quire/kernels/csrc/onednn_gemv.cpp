@@ -202,7 +202,8 @@ void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w,
 // k-steps of 16), every fourth line, into L2: the hardware brings each line's neighbours, and the tile loads,
 // which wait on memory otherwise, find them there. 30 layers' linears from memory, back to back: 3-6% faster at 9
 // to 64 rows (e.g. 32 rows 389 -> 366 us a layer), level at 128; in a whole decode step (attention between them)
-// 0.5-2% (16-32 rows). Prefetching every line, or into L1, or 12 KB ahead was no better. Past a thread's last block (or the weight's end) it asks for lines nobody reads: a prefetch never faults.
+// 0.5-2% (16-32 rows). Prefetching every line, or into L1, or 12 KB ahead was no better. Past a thread's last
+// block (or the weight's end) it asks for lines nobody reads: a prefetch never faults.
 inline void prefetch_weight_ahead(const uint16_t* rows, int64_t bytes) {
   const uintptr_t from = reinterpret_cast<uintptr_t>(rows) + 8192;
   for (int64_t offset = 0; offset < bytes; offset += 256) {
