@@ -26,9 +26,9 @@ def generate(llm: LLM, prompts):
     return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs]) for o in outputs]
 
 
-def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> int:
-    """Greedy ids and logprobs of batch-1 and batch-4 decodes through the stack equal the modules' bit for bit;
-    returns how many of the stack's steps ran as one parallel region."""
+def assert_stack_equals_modules(llm: LLM, corpus_token_ids, batch_sizes=(1, 4)) -> int:
+    """Greedy ids and logprobs of decodes of ``batch_sizes`` prompts through the stack equal the modules' bit for
+    bit; returns how many of the stack's steps ran as one parallel region."""
     model = model_of(llm)
     assert model.decode_stack is not None and model.decode_stack.num_layers == len(model.layers)
     calls = []
@@ -42,14 +42,15 @@ def assert_stack_equals_modules(llm: LLM, corpus_token_ids) -> int:
             return stack.forward(*args)
 
     model.decode_stack = Counting()
-    alone = [corpus_token_ids[:5]]
-    batch = [corpus_token_ids[i * 100:i * 100 + n] for i, n in enumerate((1, 7, 33, 60))]
+    lengths = (5, 1, 7, 33, 60, 2, 18)  # varied prompt lengths, the first alone in the batch-1 run
+    batches = [[corpus_token_ids[i * 100:i * 100 + lengths[i % len(lengths)]] for i in range(size)]
+               for size in batch_sizes]
     one_region_before = getattr(stack, "one_region_steps", 0)
-    fused = generate(llm, alone), generate(llm, batch)
+    fused = [generate(llm, batch) for batch in batches]
     one_region = getattr(stack, "one_region_steps", 0) - one_region_before
-    assert 1 in calls and 4 in calls  # batch-1 and batch-4 decode steps went through the stack
+    assert set(batch_sizes) <= set(calls)  # decode steps of each batch size went through the stack
     model.decode_stack = None
-    modules = generate(llm, alone), generate(llm, batch)
+    modules = [generate(llm, batch) for batch in batches]
     model.decode_stack = stack
     assert fused == modules
     return one_region
@@ -93,9 +94,36 @@ def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_token
     folder = build_checkpoint(tmp_path_factory.mktemp(f"one-region-{arch}"), spec, tiny_tokenizer)
     llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=8)
     stack = model_of(llm).decode_stack
-    assert stack.one_region_max_rows == 8
+    assert stack.one_region_max_rows == max(8, cpu_extension_kernels().onednn_amx_max_rows())
     steps = assert_stack_equals_modules(llm, corpus_token_ids)
     assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
+
+
+def cpu_extension_kernels():
+    from quire.kernels import cpu_extension
+
+    return cpu_extension.load()
+
+
+@pytest.mark.skipif(not one_region_possible() or cpu_extension_kernels().onednn_amx_max_rows() < 64,
+                    reason="one-region decode steps of more than 8 rows need AMX tiles (onednn_gemv's AMX kernel) "
+                    "and oneDNN's 32-output blocks")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms and a tied head
+def test_one_region_steps_on_amx_tiles_equal_modules_bit_for_bit(tmp_path_factory, tiny_tokenizer,
+                                                                   corpus_token_ids, arch):
+    """Steps of 9 to 64 rows run as one parallel region on AMX tiles (rows padded to 16: one 16-row pass, a
+    padded 32-row one, whole 32-row passes with a 16-row or 32-row tail, whole passes alone), with the modules'
+    bits."""
+    import dataclasses
+
+    from quire.core.testing.checkpoints import build_checkpoint
+    from tests.conftest import checkpoint_specs
+
+    spec = dataclasses.replace(checkpoint_specs()[arch], head_dim=32, num_hidden_layers=2)
+    folder = build_checkpoint(tmp_path_factory.mktemp(f"one-region-tiles-{arch}"), spec, tiny_tokenizer)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=64)
+    steps = assert_stack_equals_modules(llm, corpus_token_ids, batch_sizes=(9, 20, 40, 50, 64))
+    assert steps >= 5 * (NEW_TOKENS - 1)  # every decode step of every run
 
 
 @pytest.mark.skipif(not one_region_possible() and linear_ops.bf16_path() != "kernel",

@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", &quant_isa, "the instruction set the quantized-weight kernels use for a request");
   m.def("onednn_gemv_layout", &onednn_gemv_layout, "whether onednn_gemv can read this oneDNN-packed weight");
   m.def("onednn_gemv_max_rows", &onednn_gemv_max_rows, "the most rows onednn_gemv takes (0: not in this build)");
+  m.def("onednn_amx_max_rows", &quire::onednn_amx_max_rows,
+        "the most rows onednn_gemv's AMX kernel takes (0: no AMX, or oneDNN's blocks are not 32 outputs wide)");
   m.def("onednn_gemv", &onednn_gemv, "x @ weight.T + bias for a few rows, on a weight oneDNN packed");
   m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head_tokens exists in this build");
   m.def("greedy_head_tokens", &greedy_head_tokens,

@@ -277,6 +277,12 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     weights[l * 4 + 3] = onednn_packed_data(layer.down.dense);
   }
   const int threads = std::max(1, at::get_num_threads());
+  // Up to kOneRegionMaxRows rows the linear layers run on onednn_gemv_block and every thread computes each norm
+  // for itself. More rows (up to onednn_amx_max_rows) go through AMX tiles, from row buffers padded with zero
+  // rows to a multiple of 16, and the norms' rows are shared out among the threads, a barrier after each: a
+  // thread's own copy of 64 rows would cost more than the barrier.
+  const bool tiles = B > kOneRegionMaxRows;
+  const int64_t padded_rows = tiles ? (B + 15) / 16 * 16 : B;
   const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
   // claims of whole units (two 32-output groups where oneDNN packs 64-output blocks), starting on a unit
   const int64_t unit = onednn_gemv_block_groups();
@@ -284,12 +290,17 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     return std::max<int64_t>(1, blocks / (4 * threads) / unit) * unit;
   };
   const int64_t qkv_chunk = chunk_of(qkv_blocks), hidden_chunk = chunk_of(hidden_blocks);
-  const int64_t inter_chunk = chunk_of(inter_blocks);
+  const int64_t inter_chunk = chunk_of(inter_blocks), row_chunk = std::max<int64_t>(1, B / (4 * threads));
+  // a row's KV heads together where there are rows enough to go round (as paged_decode takes them: the heads of
+  // a token share its cache lines, which the hardware then brings into one core's cache for all of them)
+  const int64_t heads_chunk = B >= 4 * threads ? Hk : 1;
   std::vector<ThreadBuffers> buffers(threads);
   for (auto& t : buffers) {
-    t.x.assign(B * P_hidden, 0);
-    t.residual[0].resize(B * Hd);
-    t.residual[1].resize(B * Hd);
+    if (!tiles) {
+      t.x.assign(B * P_hidden, 0);
+      t.residual[0].resize(B * Hd);
+      t.residual[1].resize(B * Hd);
+    }
     t.summed.resize(std::max(Hd, D));
     t.query.resize(group * D);
     t.head.resize(D);
@@ -301,10 +312,15 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     t.scratch.totals.reserve(group);
   }
   // shared: the projections' outputs (each written by whichever thread claims a block), the attention and
-  // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from
+  // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from; with tiles the
+  // normed rows and the residual too
   std::vector<uint16_t> qkv(B * qkv_n), projected(B * Hd), down(B * Hd);
-  std::vector<uint32_t> attention_pairs(B * P_q, 0), act_pairs(B * P_inter, 0);
-  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * 5]());
+  std::vector<uint32_t> attention_pairs(padded_rows * P_q, 0), act_pairs(padded_rows * P_inter, 0);
+  std::vector<uint32_t> shared_x(tiles ? padded_rows * P_hidden : 0, 0);
+  std::vector<uint16_t> shared_residual[2] = {std::vector<uint16_t>(tiles ? B * Hd : 0),
+                                              std::vector<uint16_t>(tiles ? B * Hd : 0)};
+  constexpr int64_t kPhases = 7;
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * kPhases + 1]());
   auto out = torch::empty({B, Hd}, hidden.options());
   const uint16_t* input = bf16_data(hidden);
   const uint16_t* cos_p = bf16_data(cos);
@@ -315,10 +331,20 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       for (int64_t i = first; i < last; ++i) run(i);
     };
   };
-  auto units = [unit](auto&& run) {  // run(first group, groups) for each unit of a claimed range of groups
-    return [&run, unit](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; i += unit) run(i, std::min(unit, last - i));
-    };
+  // out[m][0:n] = the B rows of `in` (k-pairs, P per row) . groups [first, last) of weight w, + bias (offset to
+  // group first, or null); out and bias start at group first's output 0, n outputs from there
+  auto linear = [&](const uint32_t* in, int64_t P, const uint16_t* w, int64_t first, int64_t last,
+                    const uint16_t* bias, uint16_t* out_first, int64_t out_stride, int64_t n) {
+    if (tiles) {
+      onednn_amx_groups(reinterpret_cast<const uint16_t*>(in), B, 2 * P, w, first, last, bias, out_first, out_stride,
+                        n);
+      return;
+    }
+    for (int64_t b = first; b < last; b += unit) {
+      const int64_t c0 = (b - first) * 32;
+      onednn_gemv_block(in, B, P, w, b, bias != nullptr ? bias + c0 : nullptr, out_first + c0, out_stride,
+                        std::min<int64_t>(32 * std::min(unit, last - b), n - c0));
+    }
   };
 
 #pragma omp parallel num_threads(threads)
@@ -328,38 +354,51 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #else
     ThreadBuffers& mine = buffers[0];
 #endif
-    uint16_t* x = as_bf16(mine.x);
+    uint32_t* x_pairs = tiles ? shared_x.data() : mine.x.data();
+    uint16_t* x = reinterpret_cast<uint16_t*>(x_pairs);
+    uint16_t* residual_out[2] = {tiles ? shared_residual[0].data() : mine.residual[0].data(),
+                                 tiles ? shared_residual[1].data() : mine.residual[1].data()};
+    // norm(m) for each row: every thread all of them (its own copy), or with tiles a share of them
+    auto norm_rows = [&](std::atomic<int64_t>& counter, auto&& norm) {
+      if (tiles) {
+        claim(counter, B, row_chunk, each(norm));
+      } else {
+        for (int64_t m = 0; m < B; ++m) norm(m);
+      }
+    };
     const uint16_t* residual = input;  // layer 0: the embeddings are the residual
     int flip = 0;
     for (int64_t l = 0; l < num_layers; ++l) {
       const auto& layer = layers_[l];
-      std::atomic<int64_t>* counter = &counters[l * 5];
-      // input norm (every thread, its own copy)
-      for (int64_t m = 0; m < B; ++m) {
+      std::atomic<int64_t>* counter = &counters[l * kPhases];
+      // input norm
+      norm_rows(counter[5], [&](int64_t m) {
         if (l == 0) {
           rms_norm_row<uint16_t>(input + m * Hd, nullptr, bf16_data(layer.input_norm), x + m * 2 * P_hidden,
                                  nullptr, Hd, eps, mine.summed.data());
         } else {
           rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(layer.input_norm),
-                                 x + m * 2 * P_hidden, mine.residual[flip].data() + m * Hd, Hd, eps,
-                                 mine.summed.data());
+                                 x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
         }
+      });
+      if (tiles) {
+#pragma omp barrier
       }
       if (l > 0) {
-        residual = mine.residual[flip].data();
+        residual = residual_out[flip];
         flip ^= 1;
       }
       // qkv
       const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
-      claim(counter[0], qkv_blocks, qkv_chunk, units([&](int64_t b, int64_t groups) {
-        onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 0], b,
-                          qkv_bias != nullptr ? qkv_bias + b * 32 : nullptr, qkv.data() + b * 32, qkv_n,
-                          std::min<int64_t>(32 * groups, qkv_n - b * 32));
-      }));
+      claim(counter[0], qkv_blocks, qkv_chunk, [&](int64_t first, int64_t last) {
+        linear(x_pairs, P_hidden, weights[l * 4 + 0], first, last,
+               qkv_bias != nullptr ? qkv_bias + first * 32 : nullptr, qkv.data() + first * 32, qkv_n,
+               qkv_n - first * 32);
+      });
 #pragma omp barrier
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
       uint16_t* attention_out = as_bf16(attention_pairs);
-      claim(counter[1], B * Hk, 1, each([&](int64_t item) {
+      claim(counter[1], B * Hk, heads_chunk, each([&](int64_t item) {
         const int64_t m = item / Hk, kv = item % Hk;
         const uint16_t* row = qkv.data() + m * qkv_n;
         const uint16_t* c = cos_p + m * half;
@@ -392,57 +431,64 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
-      claim(counter[2], hidden_blocks, hidden_chunk, units([&](int64_t b, int64_t groups) {
-        onednn_gemv_block(attention_pairs.data(), B, P_q, weights[l * 4 + 1], b,
-                          o_bias != nullptr ? o_bias + b * 32 : nullptr, projected.data() + b * 32, Hd,
-                          std::min<int64_t>(32 * groups, Hd - b * 32));
-      }));
+      claim(counter[2], hidden_blocks, hidden_chunk, [&](int64_t first, int64_t last) {
+        linear(attention_pairs.data(), P_q, weights[l * 4 + 1], first, last,
+               o_bias != nullptr ? o_bias + first * 32 : nullptr, projected.data() + first * 32, Hd, Hd - first * 32);
+      });
 #pragma omp barrier
-      // post-attention norm (every thread, its own copy)
-      for (int64_t m = 0; m < B; ++m) {
+      // post-attention norm
+      norm_rows(counter[6], [&](int64_t m) {
         rms_norm_row<uint16_t>(projected.data() + m * Hd, residual + m * Hd, bf16_data(layer.post_norm),
-                               x + m * 2 * P_hidden, mine.residual[flip].data() + m * Hd, Hd, eps, mine.summed.data());
+                               x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
+      });
+      if (tiles) {
+#pragma omp barrier
       }
-      residual = mine.residual[flip].data();
+      residual = residual_out[flip];
       flip ^= 1;
       // gate/up and SiLU, a claimed run of gate blocks, then the same run of up blocks (two long streams)
       uint16_t* act = as_bf16(act_pairs);
       claim(counter[3], inter_blocks, inter_chunk, [&](int64_t first, int64_t last) {
-        const int64_t count = last - first, width = count * 32;
+        const int64_t width = (last - first) * 32;
         uint16_t* gate = mine.gate_up.data();
         uint16_t* up = gate + B * width;
-        for (int64_t g = 0; g < count; g += unit) {
-          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], first + g, nullptr, gate + g * 32, width,
-                            32 * std::min(unit, count - g));
-        }
-        for (int64_t g = 0; g < count; g += unit) {
-          onednn_gemv_block(mine.x.data(), B, P_hidden, weights[l * 4 + 2], inter_blocks + first + g, nullptr,
-                            up + g * 32, width, 32 * std::min(unit, count - g));
-        }
+        linear(x_pairs, P_hidden, weights[l * 4 + 2], first, last, nullptr, gate, width, width);
+        linear(x_pairs, P_hidden, weights[l * 4 + 2], inter_blocks + first, inter_blocks + last, nullptr, up, width,
+               width);
         for (int64_t m = 0; m < B; ++m)
           silu_mul_span<uint16_t>(gate + m * width, up + m * width, act + m * I + first * 32, width);
       });
 #pragma omp barrier
       // down
-      claim(counter[4], hidden_blocks, hidden_chunk, units([&](int64_t b, int64_t groups) {
-        onednn_gemv_block(act_pairs.data(), B, P_inter, weights[l * 4 + 3], b, nullptr, down.data() + b * 32, Hd,
-                          std::min<int64_t>(32 * groups, Hd - b * 32));
-      }));
+      claim(counter[4], hidden_blocks, hidden_chunk, [&](int64_t first, int64_t last) {
+        linear(act_pairs.data(), P_inter, weights[l * 4 + 3], first, last, nullptr, down.data() + first * 32, Hd,
+               Hd - first * 32);
+      });
 #pragma omp barrier
     }
+    // the final norm: thread 0 alone, or with tiles a share of the rows each
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    auto final_norm = [&](int64_t m) {
+      rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(final_norm_), o + m * Hd,
+                             residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
+    };
+    bool lead = true;
 #ifdef _OPENMP
-    if (omp_get_thread_num() == 0)
+    lead = omp_get_thread_num() == 0;
 #endif
-    {
-      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-      for (int64_t m = 0; m < B; ++m) {
-        rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(final_norm_), o + m * Hd,
-                               mine.residual[flip].data() + m * Hd, Hd, eps, mine.summed.data());
-      }
+    if (tiles) {
+      claim(counters[num_layers * kPhases], B, row_chunk, each(final_norm));
+    } else if (lead) {
+      for (int64_t m = 0; m < B; ++m) final_norm(m);
     }
   }
   one_region_steps_.fetch_add(1, std::memory_order_relaxed);
   return out;
+}
+
+int64_t DecodeStack::one_region_max_rows() const {
+  if (!one_region_) return row_region_ ? 1 : 0;
+  return std::max(kOneRegionMaxRows, onednn_amx_max_rows());
 }
 
 // ---- one parallel region for a batch-1 step on the AVX2 kernel path ----
@@ -614,7 +660,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, const std::vector<torch
   TORCH_CHECK(slots.numel() == B && tables.size(0) == B && lengths.numel() == B,
               "DecodeStack: one slot, block table row and length per token expected");
   const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
-  if (one_region_ && B >= 1 && B <= kOneRegionMaxRows && hidden.scalar_type() == at::kBFloat16 &&
+  if (one_region_ && B >= 1 && B <= one_region_max_rows() && hidden.scalar_type() == at::kBFloat16 &&
       cos_c.scalar_type() == at::kBFloat16 && sin_c.scalar_type() == at::kBFloat16 &&
       hidden.size(1) == final_norm_.numel() && cos_c.size(0) == B && cos_c.size(1) == head_dim_ / 2 &&
       sin_c.sizes() == cos_c.sizes()

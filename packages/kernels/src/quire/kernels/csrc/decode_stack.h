@@ -61,11 +61,12 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Whether steps of up to this many rows run as one parallel region (forward_one_region), and how many
   // steps have so far (for tests).
-  int64_t one_region_max_rows() const { return one_region_ ? kOneRegionMaxRows : (row_region_ ? 1 : 0); }
+  int64_t one_region_max_rows() const;
   int64_t one_region_steps() const { return one_region_steps_; }
 
  private:
-  static constexpr int64_t kOneRegionMaxRows = 8;  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows
+  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows (onednn_gemv_block); more go through AMX tiles where present
+  static constexpr int64_t kOneRegionMaxRows = 8;
   torch::Tensor forward_one_region(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
                                    const torch::Tensor& tables, const torch::Tensor& lengths,
                                    const torch::Tensor& slots, const torch::Tensor& cos,

@@ -83,6 +83,13 @@ int64_t onednn_gemv_block_groups();
 const uint16_t* onednn_packed_data(const torch::Tensor& packed);
 void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t block,
                        const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
+// onednn_gemv's AMX kernel for 32-output groups [first, last) of a packed weight: `rows` (<= onednn_amx_max_rows(),
+// 0 where the CPU, the build or oneDNN's block width rule it out) rows of x, Kp bfloat16 each (zero past K),
+// followed by zero rows up to a multiple of 16; `count` outputs from group `first` on (bias offset to them, or
+// null) to out (row stride out_stride). Each row gets the bits onednn_gemv gives it. Loads and releases the tiles.
+int64_t onednn_amx_max_rows();
+void onednn_amx_groups(const uint16_t* x, int64_t rows, int64_t Kp, const uint16_t* packed_data, int64_t first,
+                       int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
 // paged_decode's bfloat16 kernel for one request and KV head (paged_decode.cpp): the `group` query heads that
 // share it (query: group x head_dim bfloat16, rotated), over `length` cached tokens in `blocks`; float32
 // output [group, head_dim]. False in a build without AVX-512 BF16 (or head_dim not a multiple of 32).

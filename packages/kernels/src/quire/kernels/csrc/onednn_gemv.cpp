@@ -274,6 +274,44 @@ inline void amx_block16(const uint16_t* x, int64_t Kp, const uint16_t* block, fl
   _tile_stored(1, sums + 16, 32 * 4);
 }
 
+// Groups [first, last) of a packed weight (32 outputs each, W = 32) for `whole` rows of x (a multiple of 32, read
+// 32 at a time) and then `tail` rows of `tail_x` (read 16 at a time up to 16 rows, else 32: rows past `tail` there
+// are zeros); x rows are Kp bfloat16 (zero past K). out[r * out_stride + c] = x[r] . w[32 * first + c] (+ bias[c])
+// for the first `count` outputs from group `first` on. The caller has loaded full_tile_config.
+void amx_groups(const uint16_t* x, int64_t whole, const uint16_t* tail_x, int64_t tail, int64_t Kp, const uint16_t* w,
+                int64_t first, int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
+  const int64_t tail_pass = tail > 16 ? 32 : 16;
+  alignas(64) float sums[32 * 32];
+  for (int64_t b = first; b < last; ++b) {
+    const uint16_t* block = group_data(w, b, Kp / 2);
+    const int64_t c0 = (b - first) * kBlock, n = std::min(kBlock, count - c0);
+    if (n <= 0) break;
+    const uint16_t* block_bias = bias != nullptr ? bias + c0 : nullptr;
+    auto store = [&](int64_t r0, int64_t rows) {
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* dst = out + (r0 + r) * out_stride + c0;
+        store16(dst, _mm512_load_ps(sums + r * 32), block_bias, std::min<int64_t>(n, 16));
+        if (n > 16) {
+          store16(dst + 16, _mm512_load_ps(sums + r * 32 + 16), block_bias != nullptr ? block_bias + 16 : nullptr,
+                  n - 16);
+        }
+      }
+    };
+    for (int64_t r0 = 0; r0 < whole; r0 += 32) {
+      amx_block(x + r0 * Kp, Kp, block, sums, r0 == 0);  // (later passes find the block in cache)
+      store(r0, 32);
+    }
+    for (int64_t r0 = 0; r0 < tail; r0 += tail_pass) {
+      if (tail_pass == 16) {
+        amx_block16(tail_x + r0 * Kp, Kp, block, sums, whole + r0 == 0);
+      } else {
+        amx_block(tail_x + r0 * Kp, Kp, block, sums, whole + r0 == 0);
+      }
+      store(whole + r0, std::min(tail_pass, tail - r0));
+    }
+  }
+}
+
 #endif  // QUIRE_ONEDNN_AMX
 
 }  // namespace
@@ -349,6 +387,28 @@ void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uin
 #endif
 }
 
+int64_t onednn_amx_max_rows() {
+#ifdef QUIRE_ONEDNN_AMX
+  return quire::amx_permitted() && g_width.load() == kBlock ? kMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+void onednn_amx_groups(const uint16_t* x, int64_t rows, int64_t Kp, const uint16_t* packed_data, int64_t first,
+                       int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
+#ifdef QUIRE_ONEDNN_AMX
+  const int64_t whole = rows - rows % 32;
+  _tile_loadconfig(&full_tile_config());
+  amx_groups(x, whole, x + whole * Kp, rows - whole, Kp, packed_data, first, last, bias, out, out_stride, count);
+  _tile_release();
+#else
+  (void)x, (void)rows, (void)Kp, (void)packed_data, (void)first, (void)last, (void)bias, (void)out,
+      (void)out_stride, (void)count;
+  TORCH_CHECK(false, "onednn_amx_groups: this build has no AMX");
+#endif
+}
+
 }  // namespace quire
 
 torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
@@ -393,34 +453,8 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
     }
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
       _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
-      alignas(64) float sums[32 * 32];
-      for (int64_t b = begin; b < end; ++b) {
-        const uint16_t* block = group_data(w, b, P);
-        const int64_t n0 = b * kBlock, count = std::min(kBlock, N - n0);
-        auto store = [&](int64_t r0, int64_t rows) {
-          for (int64_t r = 0; r < rows; ++r) {
-            uint16_t* dst = y + (r0 + r) * N + n0;
-            store16(dst, _mm512_load_ps(sums + r * 32), bias_p != nullptr ? bias_p + n0 : nullptr,
-                    std::min<int64_t>(count, 16));
-            if (count > 16) {
-              store16(dst + 16, _mm512_load_ps(sums + r * 32 + 16), bias_p != nullptr ? bias_p + n0 + 16 : nullptr,
-                      count - 16);
-            }
-          }
-        };
-        for (int64_t r0 = 0; r0 < whole; r0 += 32) {
-          amx_block(xs + r0 * Kp, Kp, block, sums, r0 == 0);  // (later passes find the block in cache)
-          store(r0, 32);
-        }
-        for (int64_t r0 = 0; r0 < tail; r0 += tail_pass) {
-          if (tail_pass == 16) {
-            amx_block16(copy + r0 * Kp, Kp, block, sums, whole + r0 == 0);
-          } else {
-            amx_block(copy + r0 * Kp, Kp, block, sums, whole + r0 == 0);
-          }
-          store(whole + r0, std::min(tail_pass, tail - r0));
-        }
-      }
+      amx_groups(xs, whole, copy, tail, Kp, w, begin, end, bias_p != nullptr ? bias_p + begin * kBlock : nullptr,
+                 y + begin * kBlock, N, N - begin * kBlock);
       _tile_release();
     });
     return out;
