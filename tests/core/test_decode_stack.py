@@ -66,13 +66,17 @@ def test_stack_equals_modules_bit_for_bit(tiny_checkpoint, corpus_token_ids, arc
         assert steps >= NEW_TOKENS - 1  # every decode step of the batch-1 run
 
 
+def cpu_extension_kernels():
+    from quire.kernels import cpu_extension
+
+    return cpu_extension.load()
+
+
 def one_region_possible() -> bool:
     """Whether this build runs small decode steps as one parallel region (AVX-512 BF16 and oneDNN's packing)."""
     import torch
 
-    from quire.kernels import cpu_extension
-
-    kernels = cpu_extension.load()
+    kernels = cpu_extension_kernels()
     return (kernels is not None and linear_ops.bf16_path() == "onednn" and kernels.onednn_gemv_max_rows() > 0
             and hasattr(kernels.DecodeStack, "one_region_steps")
             # oneDNN packs bfloat16 weights in blocks onednn_gemv reads (32 or 64 outputs wide)
@@ -97,12 +101,6 @@ def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_token
     assert stack.one_region_max_rows == max(8, cpu_extension_kernels().onednn_amx_max_rows())
     steps = assert_stack_equals_modules(llm, corpus_token_ids)
     assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
-
-
-def cpu_extension_kernels():
-    from quire.kernels import cpu_extension
-
-    return cpu_extension.load()
 
 
 @pytest.mark.skipif(not one_region_possible() or cpu_extension_kernels().onednn_amx_max_rows() < 64,

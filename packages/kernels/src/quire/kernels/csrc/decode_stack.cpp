@@ -184,18 +184,20 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
   if (setting != nullptr && std::string(setting) == "0") one_region_ = row_region_ = false;
 }
 
-// ---- one parallel region for a whole decode step of a few rows ----
+// ---- one parallel region for a whole decode step (up to 8 rows; 128 with AMX) ----
 //
 // At batch 1 a layer of a small model is ~0.3 ms of weight reads, and the path above spends a good part of
 // it between kernels: each opens and closes its own parallel region (~6 per layer), allocates its output,
 // and the norms, rotations and KV writes run on one thread while the others wait. Here every thread runs
 // the whole stack in one region: the linear layers' 32-output blocks and the attention's KV heads are
 // claimed from shared counters, a barrier follows each, and the small row operations (norms, residual adds)
-// run on every thread at once, each on its own copy, instead of on one thread between two barriers.
+// run on every thread at once, each on its own copy, instead of on one thread between two barriers (with
+// more than 8 rows, on AMX tiles, the norms' rows are shared out instead, a barrier after each).
 // Gate/up and SiLU are fused: a thread claims a run of gate blocks, computes it and the matching run of up
 // blocks (I/32 further on), then their SiLU-and-multiply straight into the down projection's input.
 // Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
-// silu_mul_span, onednn_gemv_block, paged_decode_bf16_item), so the results are the same bits.
+// silu_mul_span, onednn_gemv_block or onednn_amx_groups, paged_decode_bf16_item), so the results are the same
+// bits.
 
 namespace {
 
