@@ -110,6 +110,7 @@ def test_the_byte_table_gives_the_decode_streams_text_for_any_ids(tiny_tokenizer
             detok.finish(stop_terminated=False)
             texts[index] += detok.next_text(finished=True, delta=True)
         assert texts[0] == texts[1], ids
+        assert texts[0] == tiny_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
 
 def test_byte_pieces_only_for_byte_level_decoders():

@@ -31,7 +31,7 @@ from quire.core.parsers.reasoning import get_reasoning_parser_class
 from quire.core.parsers.tool_calls import get_tool_parser_class
 from quire.core.parsers.tool_choice import tool_request
 from quire.core.pooling_params import PoolingParams, cosine_similarity, score_pairs
-from quire.core.renderer import ChatPrompt, Conversation, PromptType
+from quire.core.renderer import ChatPrompt, Conversation, PromptType, is_token_ids
 from quire.core.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -296,9 +296,7 @@ class LLM:
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict, ChatPrompt)):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
-    ):
+    if isinstance(prompts, (list, tuple)) and prompts and is_token_ids(prompts):
         return [list(prompts)]  # one prompt of token ids
     if not isinstance(prompts, (list, tuple)):
         raise ValidationError("prompts must be a prompt (text, token ids or a prompt dict) or a list "

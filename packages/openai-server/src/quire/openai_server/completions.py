@@ -12,7 +12,7 @@ from fastapi import Request
 from quire.core.engine.protocol import EngineClient, OutputStream
 from quire.core.errors import ValidationError
 from quire.core.outputs import RequestOutput
-from quire.core.renderer import PromptType
+from quire.core.renderer import PromptType, is_token_ids
 from quire.openai_server.errors import stream_error_event
 from quire.openai_server.protocol import (
     CompletionChoice,
@@ -81,7 +81,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
 def _prompts(body: CompletionRequest) -> list[PromptType]:
     """The request's prompts in the engine's prompt forms (rendering and checks happen there)."""
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+    if isinstance(prompt, str) or (prompt and is_token_ids(prompt)):
         items = [prompt]
     else:
         items = list(prompt)

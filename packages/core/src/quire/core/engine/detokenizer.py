@@ -167,6 +167,11 @@ class IncrementalDetokenizer:
 
     def finish(self, stop_terminated: bool) -> None:
         """Flush bytes the stream still holds (an incomplete character at the very end)."""
+        if self._pieces is not None:  # the UTF-8 decoder holds them: its end writes U+FFFD as the full decode does
+            if self._held:
+                self.output_text += self._utf8.decode(b"", True)
+                self._held = False
+            return
         ids = self.token_ids[:-1] if stop_terminated and not self._include_stop else self.token_ids
         full = self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         if len(full) > len(self.output_text) and full.startswith(self.output_text):
