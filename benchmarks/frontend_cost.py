@@ -4,7 +4,9 @@ one token for every running request each ``--step-ms``, and, as the baseline, a 
 same uvicorn that streams chunks of the same shape on the same clock. ``quire bench serve``'s client drives
 both (``--clients`` streaming clients, 2 x clients requests); runs alternate between the two servers and
 the table shows medians of each process's CPU per streamed token (the server's from the scheduler's
-per-thread run times, the client's from ``time.process_time``).
+per-thread run times, the client's from ``time.process_time``). The last line pairs each Quire run with the
+bare run that follows it and gives the median of those ratios, which the machine's drift over the whole
+series (minutes) moves less than it moves the medians.
 
 The scripted core runs in the server's process, where the real engine core does not: its making and
 encoding of each step's message (the engine core process's work in a real server; the front end's share,
@@ -311,6 +313,10 @@ def main() -> None:
           f"({medians['quire']['server'] / medians['bare']['server']:.2f}x the bare server's; with the scripted "
           f"core's engine-side work counted too: "
           f"{(medians['quire']['server'] + medians['quire']['engine side']) / medians['bare']['server']:.2f}x)")
+    # each Quire run against the bare run right after it: the machine's drift between runs cancels
+    ratios = sorted(q / b for q, b in zip(samples["quire"]["server"], samples["bare"]["server"]))
+    print(f"Run by run (each Quire run over the bare run after it): median {statistics.median(ratios):.2f}x, "
+          f"{ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} pairs")
 
 if __name__ == "__main__":
     main()

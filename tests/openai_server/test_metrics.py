@@ -9,7 +9,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quire.core.outputs import RequestMetrics
 from quire.core.wire import SchedulerStats
-from quire.openai_server.metrics import ITL_BUCKETS, BatchHistogram, ServerMetrics
+from quire.openai_server.metrics import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    BatchHistogram,
+    ServerMetrics,
+)
 from tests.servers import ServerProcess
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 10, 8, 10
@@ -96,22 +103,29 @@ def test_speculative_decoding_counters_follow_the_engine_totals():
     assert per_pos == [3, 3, 2, 1] and sum(per_pos) == 9
 
 
-def test_batch_histogram_exposes_what_a_histogram_would():
-    """Inter-token latencies are recorded a request at a time; the exposition must be a Histogram's
-    (bounds inclusive, values past the last bound in +Inf), creation time aside."""
+@pytest.mark.parametrize("buckets", [ITL_BUCKETS, TTFT_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS])
+def test_batch_histogram_exposes_what_a_histogram_would(buckets):
+    """The server's histograms take values one at a time (``observe``) or a request's worth at a time
+    (``observe_many``: inter-token latencies); the exposition must be a Histogram's (bounds inclusive, values
+    past the last bound in +Inf), creation time aside."""
     name, doc = "quire:inter_token_latency_seconds", "Time between consecutive tokens."
     reference_registry, batch_registry = CollectorRegistry(), CollectorRegistry()
-    reference = Histogram(name, doc, ["model_name", "engine"], buckets=ITL_BUCKETS, registry=reference_registry)
-    batch = BatchHistogram(name, doc, ITL_BUCKETS, ["model_name", "engine"])
+    reference = Histogram(name, doc, ["model_name", "engine"], buckets=buckets, registry=reference_registry)
+    batch = BatchHistogram(name, doc, buckets, ["model_name", "engine"])
     batch_registry.register(batch)
     rng = random.Random(0)
+    scale = buckets[len(buckets) // 2]
     for request in range(20):
         engine = str(request % 2)
-        gaps = [rng.choice([*ITL_BUCKETS, 0.0, 1000.0]) if rng.random() < 0.3 else rng.expovariate(30)
-                for _ in range(rng.randint(0, 50))]
-        for gap in gaps:
-            reference.labels("m", engine).observe(gap)
-        batch.labels("m", engine).observe_many(gaps)
+        values = [rng.choice([*buckets, 0.0, 1e6]) if rng.random() < 0.3 else rng.expovariate(1 / scale)
+                  for _ in range(rng.randint(0, 50))]
+        for value in values:
+            reference.labels("m", engine).observe(value)
+        if request % 3:
+            batch.labels("m", engine).observe_many(values)
+        else:
+            for value in values:
+                batch.labels("m", engine).observe(value)
 
     def exposed(registry):
         return {(s.name, tuple(sorted(s.labels.items()))): s.value

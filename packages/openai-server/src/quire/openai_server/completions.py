@@ -132,6 +132,9 @@ class _CompletionEvents:
     """The server-sent events of one streamed completion response, computed output by output and
     synchronously: the response's pump and its direct writes (``EventStream``) share this state."""
 
+    __slots__ = ("writer", "renderer", "body", "prompt_texts", "num_prompt_tokens", "include_usage", "continuous",
+                 "with_logprobs", "echoed", "completion_tokens", "plain", "_text_before", "_text_after")
+
     def __init__(self, state: ServerState, body: CompletionRequest, base_id: str, prompt_texts: list[str],
                  counts: list[int]):
         self.writer = ChunkWriter(base_id, "text_completion", int(time.time()), state.model_name)

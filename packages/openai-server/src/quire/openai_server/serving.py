@@ -331,6 +331,9 @@ class EventStream(Response):
     """
 
     media_type = "text/event-stream"
+    # (slots for what a streamed token reads: kept in the object rather than in its dict)
+    __slots__ = ("events", "direct", "_writing", "_text_lane", "_encode_text", "_write_raw", "_loop", "_send_failed",
+                 "_deferred")
 
     def __init__(self, events: AsyncIterator[bytes],
                  direct: tuple[Any, Callable[[RequestOutput], bytes]]
@@ -355,7 +358,8 @@ class EventStream(Response):
         send_event = scope.get(OUTER_SEND, send)
         # The events are written from a task of their own: a token's wake-up then resumes the few frames
         # of that task, not the ~20 of the route, middleware and server chain this coroutine runs under.
-        pump = asyncio.ensure_future(self._pump(send_event))
+        loop = asyncio.get_running_loop()  # (once: on Python 3.11 each call costs a getpid() system call)
+        pump = loop.create_task(self._pump(send_event))
         gone = False
 
         async def watch() -> None:
@@ -365,7 +369,7 @@ class EventStream(Response):
             gone = True
             pump.cancel()
 
-        watcher = asyncio.ensure_future(watch())
+        watcher = loop.create_task(watch())
         stream = None
         text_sink = False
         if self.direct is not None and hasattr(self.direct[0], "set_sink"):
@@ -374,7 +378,7 @@ class EventStream(Response):
             if len(self.direct) > 2 and hasattr(stream, "set_text_sink"):
                 self._text_lane = (send_event, pump)
                 self._encode_text, self._write_raw = self.direct[2], raw_chunk_writer(send_event)
-                self._loop = asyncio.get_running_loop()
+                self._loop = loop
                 text_sink = stream.set_text_sink(self._write_text)
         try:
             await pump  # cancelling this task cancels the pump too

@@ -81,6 +81,11 @@ class IncrementalDetokenizer:
     """Accumulates a request's output text; finds stop strings; withholds text that may become one.
     ``pieces``: the tokenizer's ``BytePieces`` when it has them (the output processor builds them once)."""
 
+    # (slots: a streamed token reads and writes several of these; kept in the object, not a values array apart)
+    __slots__ = ("_backend", "_skip_special_tokens", "_special_ids", "_previous_token", "_pieces", "_texts", "_utf8",
+                 "_held", "_stream", "_stop", "_include_stop", "_min_tokens", "_stop_buffer", "token_ids",
+                 "output_text", "_sent_text_offset", "simple")
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  pieces: BytePieces | None = None):
         self._backend = tokenizer.backend_tokenizer

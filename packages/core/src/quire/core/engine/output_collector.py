@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 class RequestOutputCollector:
     """``deadline``: the ``time.monotonic()`` by which the request must finish (None: no limit)."""
 
+    __slots__ = ("output_kind", "deadline", "_pending", "_loop", "_waiter", "sink", "text_sink")
+
     def __init__(self, output_kind: RequestOutputKind, deadline: float | None = None):
         self.output_kind = output_kind
         self.deadline = deadline

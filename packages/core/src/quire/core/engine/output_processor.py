@@ -182,7 +182,25 @@ class OutputProcessor:
             if (state.plain and output.finish_reason is None and output.new_token_ids and not output.events
                     and output.new_logprobs is None and output.new_prompt_logprobs is None
                     and output.num_cached_tokens <= state.num_cached_tokens):
-                step = self._plain_step(state, output.new_token_ids, now)
+                new_token_ids, sink, detokenizer = output.new_token_ids, state.text_sink, state.detokenizer
+                if sink is not None and len(new_token_ids) == 1 and detokenizer.simple:
+                    # the usual streamed token, as ``_plain_step`` takes it, straight to the sink
+                    metrics = state.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.token_times.append(now)
+                    text = detokenizer.add_simple(new_token_ids[0])
+                    token_ids = detokenizer.token_ids
+                    start, state.sent_token_offset = state.sent_token_offset, len(token_ids)
+                    if start + 1 != len(token_ids):
+                        new_token_ids = token_ids[start:]
+                    if not sink(text, new_token_ids):
+                        request_outputs.append(RequestOutput(
+                            state.request_id, state.prompt, state.prompt_token_ids,
+                            [CompletionOutput(state.index, text, new_token_ids)], False, state.num_cached_tokens,
+                            None, state.metrics))
+                    continue
+                step = self._plain_step(state, new_token_ids, now)
                 if step is not None:
                     text, token_ids = step
                     sink = state.text_sink
