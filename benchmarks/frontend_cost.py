@@ -14,7 +14,11 @@ decoding it, stays in) is timed on its own thread clock and shown apart. The fro
 server's CPU without it. The difference between that and the bare row is what Quire's own Python costs per
 token; the bare row is what uvicorn and the sockets cost at least.
 
-    python benchmarks/frontend_cost.py [--checkpoint DIR] [--clients 32] [--output-len 128] [--repeats 5]
+With ``--pin`` the servers run on the last CPU and the clients on the others. Unpinned, on a 2-core machine
+the client often runs on the server's core between its writes and evicts what the server keeps in cache; the
+figure then also measures how much each server suffers from that, and varies more from run to run.
+
+    python benchmarks/frontend_cost.py [--checkpoint DIR] [--clients 32] [--output-len 128] [--repeats 5] [--pin]
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ def parse_args():
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--step-ms", type=float, default=10.0, help="the scripted engine's step time")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pin", action="store_true",
+                        help="run the servers on the last CPU and this process (the clients) on the others, as in "
+                             "a deployment whose clients are elsewhere")
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -227,12 +234,14 @@ def engine_side_seconds(process: subprocess.Popen, report: Path, reports: list[i
     raise RuntimeError("the Quire server did not report its scripted core's CPU")
 
 
-def start(kind: str, checkpoint: Path, step: float, report: Path) -> tuple[subprocess.Popen, str]:
+def start(kind: str, checkpoint: Path, step: float, report: Path,
+          cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     process = subprocess.Popen([sys.executable, __file__, "--checkpoint", str(checkpoint), "--report", str(report),
-                                "--step-ms", str(step * 1000), "--serve", kind, str(port)])
+                                "--step-ms", str(step * 1000), "--serve", kind, str(port)],
+                               preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -273,7 +282,14 @@ def main() -> None:
                 return serve_quire(checkpoint, int(port), step, args.report)
             return serve_bare(int(port), step)
         report, reports = Path(scratch) / "engine-side", [0]
-        servers = {kind: start(kind, checkpoint, step, report) for kind in ("quire", "bare")}
+        server_cpus = None
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs at least two CPUs")
+            server_cpus = {cpus[-1]}
+            os.sched_setaffinity(0, set(cpus[:-1]))
+        servers = {kind: start(kind, checkpoint, step, report, server_cpus) for kind in ("quire", "bare")}
         samples = {kind: {"server": [], "engine side": [], "client": [], "tok/s": []} for kind in servers}
         try:
             for _, url in servers.values():  # warm-up
@@ -298,8 +314,9 @@ def main() -> None:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=30)
+    pinned = "; servers pinned to one CPU, clients to the others" if args.pin else ""
     print(f"{args.clients} streaming clients, {2 * args.clients} requests x {args.output_len} tokens, one token "
-          f"per chunk every {args.step_ms:g} ms; medians of {args.repeats} alternating runs\n")
+          f"per chunk every {args.step_ms:g} ms; medians of {args.repeats} alternating runs{pinned}\n")
     print("| server | server CPU us per token | scripted core's engine-side CPU (not included) "
           "| client CPU us per token | streamed tok/s |")
     print("|---|---|---|---|---|")

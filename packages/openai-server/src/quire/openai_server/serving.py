@@ -348,7 +348,7 @@ class EventStream(Response):
         # while a text sink is set: (send, the pump), the text encoder, raw_chunk_writer's writer, the loop
         self._text_lane: tuple | None = None
         self._encode_text: Callable[[str, list[int]], bytes | None] | None = None
-        self._write_raw: Callable[[bytes], bool] | None = None
+        self._write_raw: RawChunkWriter | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_failed = False
         self._deferred: bytes | None = None  # the text lane's events held for the end of the step
@@ -447,7 +447,7 @@ class EventStream(Response):
         body, self._deferred = self._deferred, None
         if body is None or self._send_failed:
             return
-        if self._write_raw is None or not self._write_raw(body):
+        if self._write_raw is None or not self._write_raw.write(body):
             self._send_now(*self._text_lane, body)
 
     def _send_now(self, send_event, pump: asyncio.Future, body: bytes) -> bool:
@@ -498,7 +498,7 @@ _HTTPTOOLS_CYCLE = ("transport", "flow", "disconnected", "response_started", "re
                     "chunked_encoding", "scope")
 
 
-def raw_chunk_writer(send_event) -> Callable[[bytes], bool] | None:
+def raw_chunk_writer(send_event) -> RawChunkWriter | None:
     """uvicorn's httptools protocol writes each chunk of a streamed body as ``<size in hex>\r\n<chunk>\r\n`` on
     its transport, when the response is chunked, started and unfinished, the client connected and the
     transport not paused. The writer returned does exactly that for a response whose start was sent, without
@@ -512,15 +512,27 @@ def raw_chunk_writer(send_event) -> Callable[[bytes], bool] | None:
             or not all(hasattr(cycle, name) for name in _HTTPTOOLS_CYCLE)
             or not (cycle.response_started and cycle.chunked_encoding) or cycle.scope.get("method") == "HEAD"):
         return None
-    transport, flow = cycle.transport, cycle.flow
+    return RawChunkWriter(cycle)
 
-    def write(body: bytes) -> bool:
-        if flow.write_paused or cycle.disconnected or cycle.response_complete or not body:
+
+class RawChunkWriter:
+    """``raw_chunk_writer``'s writer: ``write(chunk)`` (or a call) writes a chunk, or returns False. One object
+    holding what it reads (not a closure, whose cells are objects apart: each a cache line to fetch again
+    after every write's trip through the kernel)."""
+
+    __slots__ = ("transport", "flow", "cycle")
+
+    def __init__(self, cycle):
+        self.transport, self.flow, self.cycle = cycle.transport, cycle.flow, cycle
+
+    def write(self, body: bytes) -> bool:
+        cycle = self.cycle
+        if self.flow.write_paused or cycle.disconnected or cycle.response_complete or not body:
             return False
-        transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        self.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
         return True
 
-    return write
+    __call__ = write
 
 
 async def _resume(coroutine, waiting_on) -> None:

@@ -57,8 +57,7 @@ class RequestOutputCollector:
     def offer_text(self, text: str, token_ids: list[int]) -> bool:
         """The output processor's text hand-off: the text sink takes a step while the consumer waits with
         nothing pending (True), or the step goes the usual way as an output (False)."""
-        waiter = self._waiter
-        return (self._pending is None and waiter is not None and not waiter.done() and self.text_sink is not None
+        return (self._pending is None and self._waiter is not None and self.text_sink is not None
                 and self.text_sink(text, token_ids))
 
     def get_nowait(self) -> RequestOutput | None:
@@ -71,8 +70,12 @@ class RequestOutputCollector:
         while self._pending is None:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
-            self._waiter = self._loop.create_future()
-            await self._waiter
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled: no longer waiting (``put`` clears it when it wakes us)
+                    self._waiter = None
         return self.get_nowait()
 
 
