@@ -84,7 +84,7 @@ class IncrementalDetokenizer:
     # (slots: a streamed token reads and writes several of these; kept in the object, not a values array apart)
     __slots__ = ("_backend", "_skip_special_tokens", "_special_ids", "_previous_token", "_pieces", "_texts", "_utf8",
                  "_held", "_stream", "_stop", "_include_stop", "_min_tokens", "_stop_buffer", "token_ids",
-                 "output_text", "_sent_text_offset", "simple")
+                 "_text", "_tail", "_length", "_sent_text_offset", "simple")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
                  pieces: BytePieces | None = None):
@@ -111,10 +111,24 @@ class IncrementalDetokenizer:
         self._min_tokens = params.min_tokens
         self._stop_buffer = 0 if self._include_stop or not self._stop else max(map(len, self._stop)) - 1
         self.token_ids: list[int] = []
-        self.output_text = ""
+        # The output text is ``_text`` followed by the pieces ``add_simple`` appended to ``_tail`` since it was last
+        # read (``output_text`` joins them then): a streamed token does not copy the whole text into a new string.
+        self._text, self._tail, self._length = "", [], 0
         self._sent_text_offset = 0
         # byte pieces, no stop strings, no special-token spacing to emulate: ``add_simple`` may be used
         self.simple = self._pieces is not None and not self._stop and not self._special_ids
+
+    @property
+    def output_text(self) -> str:
+        if self._tail:
+            self._text += "".join(self._tail)
+            self._tail.clear()
+        return self._text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self._tail.clear()
+        self._text, self._length = text, len(text)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add tokens; return the stop string if one completed (later tokens are then dropped).
@@ -152,11 +166,16 @@ class IncrementalDetokenizer:
         if piece is None:
             piece = self._decode_piece(token_id)
         self._previous_token = token_id
-        sent, output_text = self._sent_text_offset, self.output_text
+        sent, length = self._sent_text_offset, self._length
+        if sent != length:  # text added before and not sent yet: it goes out with this piece
+            text = self.output_text[sent:] + piece
+        else:
+            text = piece
         if piece:
-            self.output_text = output_text = output_text + piece
-        self._sent_text_offset = len(output_text)
-        return piece if sent + len(piece) == len(output_text) else output_text[sent:]  # (the new piece: no copy)
+            self._tail.append(piece)
+            self._length = length = length + len(piece)
+        self._sent_text_offset = length
+        return text
 
     def _decode_piece(self, token_id: int) -> str:
         """A token's text from its bytes: the table's text while no character is split, else through the UTF-8
