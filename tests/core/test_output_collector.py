@@ -128,3 +128,26 @@ def test_a_text_sink_is_offered_steps_only_while_the_reader_waits_with_nothing_q
         assert engine.output_processor.offer is None and collector.text_sink is None
 
     asyncio.run(main())
+
+
+def test_a_cancelled_wait_is_no_longer_offered_text_and_a_later_wait_is():
+    async def main():
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        taken = []
+        collector.text_sink = lambda text, token_ids: taken.append(text) or True
+        waiting = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert collector.offer_text("a", [1]) and taken == ["a"]
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not collector.offer_text("b", [2]) and taken == ["a"]  # nobody waits: the usual way
+        collector.put(output("b", [2]))
+        assert (await collector.get()).outputs[0].text == "b"
+        again = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        assert collector.offer_text("c", [3]) and taken == ["a", "c"]
+        collector.put(output("end", [4], finished=True))
+        assert (await again).outputs[0].text == "end"
+
+    asyncio.run(main())
