@@ -15,8 +15,8 @@ server's CPU without it. The difference between that and the bare row is what Qu
 token; the bare row is what uvicorn and the sockets cost at least.
 
 With ``--pin`` the servers run on the last CPU and the clients on the others. Unpinned, on a 2-core machine
-the client often runs on the server's core between its writes and evicts what the server keeps in cache; the
-figure then also measures how much each server suffers from that, and varies more from run to run.
+the client can run on the server's core between its writes and evict what the server keeps in cache; the
+figure then also measures how much each server suffers from that.
 
     python benchmarks/frontend_cost.py [--checkpoint DIR] [--clients 32] [--output-len 128] [--repeats 5] [--pin]
 """

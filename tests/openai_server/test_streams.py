@@ -313,7 +313,7 @@ def test_the_raw_chunk_writer_frames_chunks_as_uvicorn_and_steps_aside_when_it_m
     from quire.openai_server.serving import raw_chunk_writer
 
     cycle = _Cycle()
-    write = raw_chunk_writer(cycle.send)
+    write = raw_chunk_writer(cycle.send).write
     assert write(b"data: x\n\n") and cycle.transport.data == b"9\r\ndata: x\n\n\r\n"
     cycle.flow.write_paused = True  # the client reads slowly: ``send`` waits, the writer does not write
     assert not write(b"y") and cycle.transport.data == b"9\r\ndata: x\n\n\r\n"
@@ -343,10 +343,10 @@ def test_the_raw_chunk_writer_under_the_real_uvicorn_gives_the_chunks_the_client
         if scope["type"] != "http":
             return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        write = raw_chunk_writer(send)
-        found.append(write is not None)
+        writer = raw_chunk_writer(send)
+        found.append(writer is not None)
         for part in (b"one ", b"two ", b"three"):
-            assert write(part)
+            assert writer.write(part)
             await asyncio.sleep(0.01)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

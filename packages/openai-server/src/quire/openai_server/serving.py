@@ -516,7 +516,7 @@ def raw_chunk_writer(send_event) -> RawChunkWriter | None:
 
 
 class RawChunkWriter:
-    """``raw_chunk_writer``'s writer: ``write(chunk)`` (or a call) writes a chunk, or returns False. One object
+    """``raw_chunk_writer``'s writer: ``write(chunk)`` writes a chunk, or returns False. One object
     holding what it reads (not a closure, whose cells are objects apart: each a cache line to fetch again
     after every write's trip through the kernel)."""
 
@@ -531,8 +531,6 @@ class RawChunkWriter:
             return False
         self.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
         return True
-
-    __call__ = write
 
 
 async def _resume(coroutine, waiting_on) -> None:
