@@ -48,3 +48,24 @@ def test_greedy_steps_take_the_screened_head_and_keep_their_tokens(tiny_checkpoi
     model.greedy_token_rows = 0  # the full logits for every step
     full = token_ids(llm, prompts, temperature=0.0)
     assert screened == full == with_logprobs
+
+
+@pytest.mark.skipif(SCREEN is None or SCREEN.max_rows <= greedy_head.MAX_ROWS,
+                    reason="steps of more than 8 rows take the greedy head on AMX tiles only")
+def test_greedy_steps_of_more_rows_than_the_screen_keep_their_tokens(tiny_checkpoint, corpus_token_ids):
+    llm = LLM(tiny_checkpoint("qwen3"), dtype="bfloat16", max_model_len=256, max_num_seqs=16)
+    model = llm.llm_engine.engine_core.engine_core.executor.model_runner.model
+    rows = []
+    head = model.greedy_tokens
+
+    def counting(hidden):
+        tokens = head(hidden)
+        rows.append((hidden.shape[0], tokens is not None))
+        return tokens
+
+    model.greedy_tokens = counting
+    prompts = [corpus_token_ids[i * 50:i * 50 + 3 + i] for i in range(12)]
+    fused = token_ids(llm, prompts, temperature=0.0)
+    assert sum(1 for n, named in rows if n == 12 and named) >= 10  # the batch's decode steps
+    model.greedy_token_rows = 0
+    assert fused == token_ids(llm, prompts, temperature=0.0)

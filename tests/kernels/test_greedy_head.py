@@ -1,5 +1,6 @@
 """The screened greedy LM head names exactly the full head's argmax (the bfloat16 logits of the head's own path:
-``onednn_gemv`` with AVX-512, ``linear_bf16`` on AVX2; first index on a tie), or declines."""
+``onednn_gemv`` with AVX-512, ``linear_bf16`` on AVX2; first index on a tie), or declines. With AMX tiles, rows past
+the screen's 8 take ``onednn_amx_argmax`` (the full head's logits, never written), which must name the same tokens."""
 
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ def path(request):
     return request.param
 
 
+# the onednn path's rows past the screen's 8, on AMX tiles (0 without them)
+AMX_ROWS = (min(KERNELS.onednn_gemv_max_rows(), KERNELS.onednn_amx_max_rows())
+            if "onednn" in PATHS and KERNELS.onednn_amx_max_rows() > greedy_head.MAX_ROWS else 0)
+
+
 def max_rows(path: str) -> int:
-    return greedy_head.MAX_ROWS if path == "onednn" else greedy_head.KERNEL_MAX_ROWS
+    if path == "onednn":
+        return AMX_ROWS or greedy_head.MAX_ROWS
+    return greedy_head.KERNEL_MAX_ROWS
 
 
 def head_of(weight: torch.Tensor, path: str):
@@ -95,3 +103,49 @@ def test_shapes_it_does_not_take(path):
     _, odd = head_of((torch.randn(500, 40) * 0.05).bfloat16(), path)  # width not a multiple of 32 (or 16)
     assert odd(torch.randn(1, 40).bfloat16()) is None
     assert greedy_head.greedy_head(lambda x, bias: x) is None  # not a prepacked head
+
+
+amx_only = pytest.mark.skipif(not AMX_ROWS, reason="rows past 8 on the onednn path need AMX tiles")
+
+
+@amx_only
+@pytest.mark.parametrize(("num_outputs", "width"), [(1000, 64), (2051, 96), (49152, 576), (100, 40)])
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 64, 100, 128])
+def test_rows_on_amx_tiles_get_the_full_heads_argmax(num_outputs, width, rows):
+    # widths that fill 32-wide k-steps and one that does not (40: padded rows); a vocabulary that is not a whole
+    # number of 32-output blocks; every way amx_groups takes the rows (whole 32s, 16-row and 32-row tails)
+    if rows > AMX_ROWS:
+        pytest.skip(f"AMX tiles take up to {AMX_ROWS} rows here")
+    generator = torch.Generator().manual_seed(num_outputs + rows)
+    weight = (torch.randn(num_outputs, width, generator=generator) * 0.05).bfloat16()
+    packed, head = head_of(weight, "onednn")
+    for scale in (0.1, 30.0):
+        x = (torch.randn(rows, width, generator=generator) * scale).bfloat16()
+        tokens = head(x)
+        assert tokens is not None and tokens.dtype == torch.int64
+        assert torch.equal(tokens, full_argmax(packed, x))
+
+
+@amx_only
+def test_a_tie_on_amx_tiles_goes_to_the_first_index():
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(3000, 128, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(12, 128, generator=generator).bfloat16()
+    winners = argmax(x.float() @ weight.float().T)
+    # row 0's best output also at 2999 (another thread's block), 37 (another lane) and 69 (lane 5 of a later block)
+    for n in (2999, 69, 37, 5):
+        weight[n] = weight[winners[0]]
+    packed, head = head_of(weight, "onednn")
+    tokens = head(x)
+    assert tokens is not None and int(tokens[0]) == 5
+    assert torch.equal(tokens, full_argmax(packed, x))
+
+
+@amx_only
+@pytest.mark.parametrize("special", [float("nan"), float("inf")])
+def test_amx_tiles_decline_hidden_states_that_are_not_finite(special):
+    packed, head = head_of((torch.randn(500, 64) * 0.05).bfloat16(), "onednn")
+    x = torch.randn(20, 64).bfloat16()
+    x[13, 7] = special
+    assert head(x) is None
+    assert torch.equal(head(torch.zeros(20, 64, dtype=torch.bfloat16)), torch.zeros(20, dtype=torch.int64))

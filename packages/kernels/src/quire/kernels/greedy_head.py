@@ -11,6 +11,10 @@ kernel and bits as ``onednn_gemv``. The token is therefore exactly the full head
 tie). When the screen cannot decide cheaply (x not finite, too many candidates) it declines and the caller
 computes the full logits.
 
+With AMX tiles, steps of 9 to 128 rows (past the screen's vdpbf16ps rows) take ``onednn_amx_argmax``
+instead: the full head on ``onednn_gemv``'s own tiles, each row's argmax kept as the blocks are computed and
+the logits never written (the bits of ``onednn_gemv``'s logits, so the same token).
+
 On AVX2 CPUs without oneDNN's bfloat16 path the head is a ``KernelLinear`` (``csrc/linear_bf16.cpp``), and
 ``greedy_head_tokens_bf16`` screens it the same way (int16 dot products with ``vpmaddwd``), for up to
 ``KERNEL_MAX_ROWS`` rows (batched decode), recomputing the candidates with ``linear_bf16``'s own code for that
@@ -34,10 +38,15 @@ class GreedyHead:
     linear_bf16's (``KernelLinear``)."""
 
     def __init__(self, head: OneDNNLinear | KernelLinear, kernels):
+        self._wide = None  # more rows than the screen takes: the full head's argmax on AMX tiles, fused
         if isinstance(head, OneDNNLinear):
             self._head = head.packed
             self._tokens = kernels.greedy_head_tokens
             self.max_rows = MAX_ROWS
+            amx_rows = min(head.gemv_rows, kernels.onednn_amx_max_rows())  # 0 without AMX tiles
+            if amx_rows > MAX_ROWS:
+                self._wide = kernels.onednn_amx_argmax
+                self.max_rows = amx_rows
             dense = head.packed.to_dense()
         else:
             self._head = head.weight
@@ -65,7 +74,10 @@ class GreedyHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if hidden.dim() != 2 or not 0 < hidden.shape[0] <= self.max_rows or hidden.dtype != torch.bfloat16:
             return None
-        tokens = self._tokens(hidden, self._head, self.q, self.scale, self.bound)
+        if self._wide is not None and hidden.shape[0] > MAX_ROWS:
+            tokens = self._wide(hidden, self._head)
+        else:
+            tokens = self._tokens(hidden, self._head, self.q, self.scale, self.bound)
         return tokens if tokens.numel() else None
 
 

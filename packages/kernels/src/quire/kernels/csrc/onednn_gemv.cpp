@@ -314,6 +314,37 @@ void amx_groups(const uint16_t* x, int64_t whole, const uint16_t* tail_x, int64_
 
 #endif  // QUIRE_ONEDNN_AMX
 
+#ifdef QUIRE_ONEDNN_AMX
+// The rows of x as amx_groups takes them: rows [0, whole) 32 at a time from x itself (its rows fill whole tiles);
+// the rest in 16-row passes (up to 16 rows: amx_block16) or 32-row ones, from a zero-padded copy unless they are
+// 16 rows of x. (A 48-row call took 16 rows of x as 32 padded ones before: 30 layers' linears from memory 21.0 ->
+// 17.4 ms.)
+struct AmxRows {
+  AmxRows(const torch::Tensor& x, const uint16_t* xs, int64_t M, int64_t K, int64_t Kp)
+      : xs(xs), Kp(Kp), whole(Kp != K ? 0 : M - M % 32), tail(M - whole) {
+    const int64_t tail_pass = tail > 16 ? 32 : 16;
+    const bool tail_in_place = Kp == K && tail == tail_pass;  // 16 rows of x after whole ones
+    if (tail > 0 && !tail_in_place) {
+      padding = torch::zeros({tail_pass * ((tail + tail_pass - 1) / tail_pass), Kp}, x.options());
+      auto* dst = reinterpret_cast<uint16_t*>(padding.data_ptr<at::BFloat16>());
+      for (int64_t m = 0; m < tail; ++m) std::memcpy(dst + m * Kp, xs + (whole + m) * K, K * 2);
+      copy = dst;
+    } else {
+      copy = xs + whole * Kp;
+    }
+  }
+  // amx_groups over these rows (the caller has loaded full_tile_config)
+  void groups(const uint16_t* w, int64_t first, int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride,
+              int64_t count) const {
+    amx_groups(xs, whole, copy, tail, Kp, w, first, last, bias, out, out_stride, count);
+  }
+  const uint16_t* xs;
+  int64_t Kp, whole, tail;
+  torch::Tensor padding;
+  const uint16_t* copy = nullptr;
+};
+#endif
+
 }  // namespace
 
 int64_t onednn_gemv_max_rows() {
@@ -434,27 +465,11 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #ifdef QUIRE_ONEDNN_AMX
   if (M > kGemvRows && quire::amx_permitted() && g_width.load() != 2 * kBlock) {
-    const int64_t Kp = 2 * P;
-    // Rows [0, whole) go 32 at a time from x itself (its rows fill whole tiles); the rest in 16-row passes (up to 16
-    // rows: amx_block16) or 32-row ones, from a zero-padded copy unless they are 16 rows of x. (A 48-row call took 16
-    // rows of x as 32 padded ones before: 30 layers' linears from memory 21.0 -> 17.4 ms.)
-    const int64_t whole = Kp != K ? 0 : M - M % 32, tail = M - whole;
-    const int64_t tail_pass = tail > 16 ? 32 : 16;
-    torch::Tensor padding;
-    const uint16_t* copy = nullptr;
-    const bool tail_in_place = Kp == K && tail == tail_pass;  // 16 rows of x after whole ones
-    if (tail > 0 && !tail_in_place) {
-      padding = torch::zeros({tail_pass * ((tail + tail_pass - 1) / tail_pass), Kp}, x.options());
-      auto* dst = reinterpret_cast<uint16_t*>(padding.data_ptr<at::BFloat16>());
-      for (int64_t m = 0; m < tail; ++m) std::memcpy(dst + m * Kp, xs + (whole + m) * K, K * 2);
-      copy = dst;
-    } else {
-      copy = xs + whole * Kp;
-    }
+    const AmxRows rows(x, xs, M, K, 2 * P);
     quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
       _tile_loadconfig(&quire::full_tile_config());  // per thread and call: oneDNN's kernels load their own
-      amx_groups(xs, whole, copy, tail, Kp, w, begin, end, bias_p != nullptr ? bias_p + begin * kBlock : nullptr,
-                 y + begin * kBlock, N, N - begin * kBlock);
+      rows.groups(w, begin, end, bias_p != nullptr ? bias_p + begin * kBlock : nullptr, y + begin * kBlock, N,
+                  N - begin * kBlock);
       _tile_release();
     });
     return out;
@@ -497,6 +512,90 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   (void)packed;
   (void)bias;
   TORCH_CHECK(false, "onednn_gemv: this build has no AVX-512 BF16");
+#endif
+}
+
+// ---- each row's argmax of onednn_gemv's logits on AMX tiles, without writing them ----
+//
+// From 9 rows (decode steps of a busy server or a batch) onednn_gemv computes an LM head on AMX tiles and writes
+// every logit, which the sampler then reads back for a plain greedy step's argmax: SmolLM2-135M's head at 64 rows
+// writes and reads 6.3 MB for 64 indices. Here each thread computes its blocks with the same amx_groups call into a
+// block-sized buffer and keeps, per row and lane, the largest value so far and its block; the lanes and threads
+// are then merged (first index on a tie), so the token is argmax(onednn_gemv(x, packed)) exactly. Empty (the
+// caller computes the logits) where x is not finite or a logit is NaN.
+torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
+  auto none = torch::empty({0}, x.options().dtype(at::kLong));
+#ifdef QUIRE_ONEDNN_AMX
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_amx_argmax: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_amx_argmax: the weight must be packed by oneDNN");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "onednn_amx_argmax: x has ", K, " columns, the weight ", packed.size(1));
+  if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) return none;
+  const auto xc = x.contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < M * K; ++i) {
+    if ((xs[i] & 0x7F80) == 0x7F80) return none;  // inf or NaN
+  }
+  const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, kBlock) / kBlock;
+  const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  const AmxRows rows(x, xs, M, K, 2 * P);
+  std::vector<float> best(M, -INFINITY);
+  std::vector<int64_t> index(M, -1);
+  std::atomic<bool> saw_nan{false};
+  std::mutex merge_lock;
+  quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(&quire::full_tile_config());
+    std::vector<uint16_t> logits(M * kBlock);
+    // per row, for each of a block's 32 lanes: the largest logit so far and the block it came from
+    std::vector<float> lane_best(M * kBlock, -INFINITY);
+    std::vector<int32_t> lane_block(M * kBlock, -1);
+    __mmask16 nan_lanes = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = std::min(kBlock, N - b * kBlock);
+      rows.groups(w, b, b + 1, nullptr, logits.data(), kBlock, n);
+      const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
+                                  static_cast<__mmask16>(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1)};
+      const __m512i block = _mm512_set1_epi32(static_cast<int32_t>(b));
+      for (int64_t m = 0; m < M; ++m) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = m * kBlock + 16 * h;
+          const __m512 v = quire::bf16_to_float(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(logits.data() + at)));
+          nan_lanes |= _mm512_mask_cmp_ps_mask(valid[h], v, v, _CMP_UNORD_Q);
+          const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid[h], v, _mm512_loadu_ps(&lane_best[at]), _CMP_GT_OQ);
+          _mm512_mask_storeu_ps(&lane_best[at], larger, v);
+          _mm512_mask_storeu_epi32(&lane_block[at], larger, block);
+        }
+      }
+    }
+    _tile_release();
+    if (nan_lanes != 0) saw_nan.store(true, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> guard(merge_lock);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t lane = 0; lane < kBlock; ++lane) {
+        const int32_t from = lane_block[m * kBlock + lane];
+        if (from < 0) continue;
+        const float v = lane_best[m * kBlock + lane];
+        const int64_t at = static_cast<int64_t>(from) * kBlock + lane;
+        if (index[m] < 0 || v > best[m] || (v == best[m] && at < index[m])) {
+          best[m] = v;
+          index[m] = at;
+        }
+      }
+    }
+  });
+  if (saw_nan.load()) return none;
+  auto tokens = torch::empty({M}, x.options().dtype(at::kLong));
+  auto* out = tokens.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    if (index[m] < 0) return none;  // (every logit -inf: no lane ever took a value)
+    out[m] = index[m];
+  }
+  return tokens;
+#else
+  (void)x;
+  (void)packed;
+  return none;
 #endif
 }
 
