@@ -145,7 +145,9 @@ class ModelRunner:
         output = ModelRunnerOutput({}, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
         logits = None
         if len(inputs.sampling_rows):
-            sampling_hidden = hidden[inputs.logits_indices]
+            # (every token samples, as in a decode step: the indices are 0..n-1, strictly increasing)
+            indices = inputs.logits_indices
+            sampling_hidden = hidden if len(indices) == hidden.shape[0] else hidden[indices]
             if not spec_tokens and scheduler_output.grammar_bitmask is None and self._greedy_without_logits(
                     inputs.sampling_rows, sampling_hidden, output):
                 timings.mark("forward")
