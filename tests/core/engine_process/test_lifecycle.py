@@ -50,6 +50,7 @@ def assert_malloc_on_huge_pages(pid: int) -> None:
     the kernel offer them: glibc 2.35 on, transparent huge pages not "never") its large blocks are on them."""
     environment = dict(entry.split("=", 1) for entry in
                        Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in entry)
+    # NOTE: glibc (2.36 here) rewrites the string it was given as it parses it: /proc showed only the first of three
     assert "glibc.malloc.hugetlb=1" in environment["GLIBC_TUNABLES"].split(":")
     libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -60,15 +61,52 @@ def assert_malloc_on_huge_pages(pid: int) -> None:
         assert huge_kb >= 2048, rollup
 
 
-def test_the_caller_s_own_malloc_tunables_reach_the_engine_and_a_hugetlb_choice_of_its_own_wins(monkeypatch):
+ENGINE_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432"
+                   ":glibc.malloc.trim_threshold=1099511627776")
+
+
+def test_the_caller_s_own_malloc_tunables_reach_the_engine_and_a_choice_of_its_own_wins(monkeypatch):
     from quire.core.engine.mp_client import engine_environment
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert engine_environment()["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{ENGINE_TUNABLES}"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
-    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    assert engine_environment()["GLIBC_TUNABLES"] == (
+        "glibc.malloc.hugetlb=0:glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1099511627776")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0:glibc.malloc.mmap_threshold=65536")
+    assert engine_environment()["GLIBC_TUNABLES"] == (
+        "glibc.malloc.trim_threshold=0:glibc.malloc.mmap_threshold=65536:glibc.malloc.hugetlb=1")
     monkeypatch.delenv("GLIBC_TUNABLES")
-    assert engine_environment()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert engine_environment()["GLIBC_TUNABLES"] == ENGINE_TUNABLES
+
+
+MALLOC_PROBE = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+mapped = libc.mallinfo2().hblkhd
+block = libc.malloc(20 << 20)
+print("mapped" if libc.mallinfo2().hblkhd - mapped >= 20 << 20 else "heap")
+"""
+
+
+def test_an_engine_s_prompt_sized_blocks_come_from_the_heap_not_fresh_maps(monkeypatch):
+    """With the engine's environment glibc keeps a 20 MB block (a 2,048-token step's MLP intermediate is 25 MB)
+    in the heap, where a freed one is reused, rather than mapping it afresh as its default threshold does."""
+    from quire.core.engine.mp_client import engine_environment
+
+    libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    if not libc.startswith("glibc ") or tuple(map(int, libc.split()[1].split(".")[:2])) < (2, 33):
+        pytest.skip("mallinfo2 and these tunables are glibc's (2.33 on)")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    probe = [sys.executable, "-c", MALLOC_PROBE]
+    plain = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=60)
+    engine = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=60, env=engine_environment())
+    assert (plain.stdout.strip(), engine.stdout.strip()) == ("mapped", "heap")
 
 
 def test_sigkill_of_the_engine_fails_every_waiting_caller(make_async_llm):

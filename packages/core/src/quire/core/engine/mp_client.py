@@ -51,23 +51,31 @@ STARTUP_TIMEOUT_SECONDS = float(os.environ.get("QUIRE_ENGINE_STARTUP_TIMEOUT", "
 # as fast (measured: equal on the small checkpoint, faster on the tiny one) and cut the process
 # boundary's cost on 2 cores from 6-7% to 1-2%.
 ENGINE_SPIN_COUNT = "30000"
-# NOTE: glibc (2.35 on) then asks the kernel for transparent huge pages (madvise) for the large blocks malloc
-# maps: the weights and the KV cache, which a decode step streams. On 4 KB pages each step takes a TLB miss
-# every 4 KB of them; SmolLM2-135M in bfloat16 on two Intel AMX cores went from 12.4-12.9 to 10.4-11.2 ms a
-# batch-1 token and from 48.6-50.1 to 45.4-46.9 ms a batch-64 step. Other C libraries ignore the variable, and so
-# does a kernel with transparent huge pages off.
-ENGINE_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
+# NOTE: hugetlb=1: glibc (2.35 on) then asks the kernel for transparent huge pages (madvise) for the large
+# blocks malloc maps: the weights and the KV cache, which a decode step streams. On 4 KB pages each step takes a
+# TLB miss every 4 KB of them; SmolLM2-135M in bfloat16 on two Intel AMX cores went from 12.4-12.9 to 10.4-11.2 ms
+# a batch-1 token and from 48.6-50.1 to 45.4-46.9 ms a batch-64 step.
+# mmap_threshold and trim_threshold: a prompt step's intermediates (up to 25 MB each) then come from the heap and
+# go back to it, instead of maps (or a heap top) that glibc's own thresholds, which move as blocks are freed,
+# hand back to the kernel and fault in afresh, each fault a huge page to find and zero: on the same machine a
+# prefill of 64 prompts of 128 tokens (four a process, in-process engine) took 146-1,141 ms of system time in a
+# process's first and up to 249 ms in a later one, against 7-19 and 0-15 ms with these. Blocks over 32 MiB
+# (glibc's largest threshold: the KV cache, an embedding) are still maps of their own. Other C libraries ignore the variable, and so does a kernel with
+# transparent huge pages off.
+ENGINE_MALLOC_TUNABLES = {"glibc.malloc.hugetlb": "1", "glibc.malloc.mmap_threshold": str(32 << 20),
+                          "glibc.malloc.trim_threshold": str(1 << 40)}
 
 
 def engine_environment() -> dict[str, str]:
     """The engine process's environment: the caller's, with a shorter OpenMP spin unless one is set, and
-    malloc's blocks on transparent huge pages unless the caller chose a ``glibc.malloc.hugetlb`` of its own."""
+    ``ENGINE_MALLOC_TUNABLES`` added to ``GLIBC_TUNABLES`` except where the caller set that tunable itself."""
     env = dict(os.environ)
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = ENGINE_SPIN_COUNT
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" not in tunables:
-        env["GLIBC_TUNABLES"] = f"{tunables}:{ENGINE_MALLOC_TUNABLE}" if tunables else ENGINE_MALLOC_TUNABLE
+    tunables = [entry for entry in env.get("GLIBC_TUNABLES", "").split(":") if entry]
+    chosen = {entry.split("=", 1)[0] for entry in tunables}
+    tunables += [f"{name}={value}" for name, value in ENGINE_MALLOC_TUNABLES.items() if name not in chosen]
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
     return env
 
 
