@@ -14,13 +14,14 @@ def test_amx_matmul_is_said_exactly_where_onednn_runs_bfloat16_on_a_cpu_with_amx
     assert linear_ops.amx_matmul() == (linear_ops.bf16_path() == "onednn" and "amx_tile" in flags)
 
 
-def test_bfloat16_on_amx_tiles_takes_up_to_2048_rows_while_the_intermediate_stays_under_glibc_s_mmap_threshold(
-        monkeypatch):
+def test_bfloat16_on_amx_tiles_takes_up_to_2048_rows_while_the_intermediate_fits_in_16_mib(monkeypatch):
     monkeypatch.setattr(linear_ops, "amx_matmul", lambda: True)
     assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 2048  # SmolLM2-135M: 12 MiB of intermediate
-    assert llama.cpu_mlp_chunk_rows(4864, torch.bfloat16) == 1024  # Qwen2.5-0.5B: 2,048 rows would be 38 MiB
-    assert llama.cpu_mlp_chunk_rows(8191, torch.bfloat16) == 1024  # just under 32 MiB
-    assert llama.cpu_mlp_chunk_rows(8192, torch.bfloat16) == 512  # 32 MiB and malloc's header: mapped afresh
+    assert llama.cpu_mlp_chunk_rows(2048, torch.bfloat16) == 2048  # exactly 16 MiB
+    assert llama.cpu_mlp_chunk_rows(2049, torch.bfloat16) == 1024
+    assert llama.cpu_mlp_chunk_rows(4864, torch.bfloat16) == 512  # Qwen2.5-0.5B: 1,024 rows would be 19 MiB
+    assert llama.cpu_mlp_chunk_rows(8960, torch.bfloat16) == 256  # Qwen2.5-1.5B: 9 MiB
+    assert llama.cpu_mlp_chunk_rows(1 << 20, torch.bfloat16) == 16  # never fewer rows than one tile's
     assert llama.cpu_mlp_chunk_rows(1536, torch.float32) == llama.CPU_MLP_CHUNK_ROWS == 512
     monkeypatch.setattr(linear_ops, "amx_matmul", lambda: False)
     assert llama.cpu_mlp_chunk_rows(1536, torch.bfloat16) == 512

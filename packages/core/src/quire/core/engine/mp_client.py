@@ -55,13 +55,13 @@ ENGINE_SPIN_COUNT = "30000"
 # blocks malloc maps: the weights and the KV cache, which a decode step streams. On 4 KB pages each step takes a
 # TLB miss every 4 KB of them; SmolLM2-135M in bfloat16 on two Intel AMX cores went from 12.4-12.9 to 10.4-11.2 ms
 # a batch-1 token and from 48.6-50.1 to 45.4-46.9 ms a batch-64 step.
-# mmap_threshold and trim_threshold: a prompt step's intermediates (up to 25 MB each) then come from the heap and
-# go back to it, instead of maps (or a heap top) that glibc's own thresholds, which move as blocks are freed,
+# mmap_threshold and trim_threshold: a prompt step's intermediates (up to 16 MiB each) then come from the heap
+# and go back to it, instead of maps (or a heap top) that glibc's own thresholds, which move as blocks are freed,
 # hand back to the kernel and fault in afresh, each fault a huge page to find and zero: on the same machine a
 # prefill of 64 prompts of 128 tokens (four a process, in-process engine) took 146-1,141 ms of system time in a
 # process's first and up to 249 ms in a later one, against 7-19 and 0-15 ms with these. Blocks over 32 MiB
-# (glibc's largest threshold: the KV cache, an embedding) are still maps of their own. Other C libraries ignore the variable, and so does a kernel with
-# transparent huge pages off.
+# (glibc's largest threshold: the KV cache, an embedding) are still maps of their own.
+# Other C libraries ignore the variable, and so does a kernel with transparent huge pages off.
 ENGINE_MALLOC_TUNABLES = {"glibc.malloc.hugetlb": "1", "glibc.malloc.mmap_threshold": str(32 << 20),
                           "glibc.malloc.trim_threshold": str(1 << 40)}
 
