@@ -95,8 +95,9 @@ print("mapped" if libc.mallinfo2().hblkhd - mapped >= 20 << 20 else "heap")
 
 
 def test_an_engine_s_prompt_sized_blocks_come_from_the_heap_not_fresh_maps(monkeypatch):
-    """With the engine's environment glibc keeps a 20 MB block (a 2,048-token step's MLP intermediate is 25 MB)
-    in the heap, where a freed one is reused, rather than mapping it afresh as its default threshold does."""
+    """With the engine's environment glibc keeps a 20 MB block (a prompt step's MLP intermediate is up to 16 MiB,
+    its other buffers smaller) in the heap, where a freed one is reused, rather than mapping it afresh as its
+    default threshold does."""
     from quire.core.engine.mp_client import engine_environment
 
     libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
