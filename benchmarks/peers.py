@@ -15,11 +15,13 @@ configuration runs in its own subprocess, one at a time, and measures:
 
 Every timed call gets prompts no earlier call has seen, so no prefix cache skips work. The serving section
 (``peers_serving.py``) then starts each engine's own OpenAI-compatible server in turn (Quire bfloat16, vLLM's
-configurations) and drives it with 32 streaming clients. Tables print as Markdown. ``--model small`` runs
+configurations) and drives it with 32 streaming clients; ``--serving-repeats N`` runs N such rounds and adds each
+round's Quire-over-vLLM ratio and their median (a 2-core machine's served figures swing by 10% from run to
+run). Tables print as Markdown. ``--model small`` runs
 the locally built Qwen2.5-0.5B-shaped checkpoint (random weights, bfloat16) instead of SmolLM2.
 
     python benchmarks/peers.py [--only quire,transformers,vllm] [--sections offline,serving]
-                               [--model smollm2|small] [--skip-install] [--quick]
+                               [--model smollm2|small] [--skip-install] [--serving-repeats N] [--quick]
 """
 
 from __future__ import annotations
@@ -374,36 +376,58 @@ def print_tables(results: dict, bounds: dict, shape: dict, load: Workload, title
                for name, values in quire.items()])
 
 
-def print_serving(results: dict, load, title: str) -> None:
+def print_serving(rounds: list[dict], load, title: str) -> None:
+    """The table of each server's median round (by output tokens/s), then, with several rounds, each round's
+    Quire-over-best-vLLM ratio and the median of those ratios."""
     from cpu_performance import table
-    from peers_serving import serving_header, serving_rows
+    from peers_serving import median_round, serving_header, serving_rows
 
+    results = median_round(rounds)
+    repeats = f", the median of {len(rounds)} rounds" if len(rounds) > 1 else ""
     table(f"{title}: {load.clients} streaming clients, {load.num_prompts} requests of {load.input_len} prompt "
-          f"and {load.output_len} output tokens, each engine's own server", serving_header(load),
+          f"and {load.output_len} output tokens, each engine's own server{repeats}", serving_header(load),
           serving_rows(results))
     quire = {name: s["output_throughput"] for name, s in results.items() if name.startswith("Quire")}
     vllm = [s["output_throughput"] for name, s in results.items() if name.startswith("vLLM")]
     for name, rate in quire.items():
         if vllm:
             print(f"{name} served output tok/s / best vLLM server's: {rate / max(vllm):.2f}x")
+    if len(rounds) > 1:
+        for name in quire:
+            paired = []
+            for index, served in enumerate(rounds, 1):
+                peers = [s["output_throughput"] for peer, s in served.items() if peer.startswith("vLLM")]
+                if name in served and peers:
+                    paired.append(served[name]["output_throughput"] / max(peers))
+                    print(f"round {index}: {name} {served[name]['output_throughput']:.1f} tok/s, best vLLM "
+                          f"{max(peers):.1f}: {paired[-1]:.2f}x")
+            if paired:
+                print(f"{name} / best vLLM, round by round: median {statistics.median(paired):.2f}x, "
+                      f"{min(paired):.2f}-{max(paired):.2f}x over {len(paired)} rounds")
 
 
-def run_serving(configs: list[PeerConfig], folder: Path, load, venv: Path | None, logs: Path) -> dict:
+def run_serving(configs: list[PeerConfig], folder: Path, load, venv: Path | None, logs: Path,
+                repeats: int = 1) -> list[dict]:
+    """``repeats`` rounds of every server in turn (one server at a time), each round {name: summary}."""
     from peers_serving import measure_server
 
-    results = {}
-    for config in configs:
-        log = logs / ("serve-" + config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
-        print(f"\n{config.name} server: running (log: {log})", flush=True)
-        try:
-            summary = measure_server(config.engine, config.dtype, config.env, folder, load, venv,
-                                     VLLM_MEMORY_SHARE, log)
-        except RuntimeError as error:
-            print(f"{config.name} server FAILED: {error}")
-            continue
-        print(f"  started in {summary['start_seconds']:.0f} s; {summary['output_throughput']:.1f} output tok/s")
-        results[config.name] = summary
-    return results
+    rounds = []
+    for index in range(repeats):
+        results = {}
+        for config in configs:
+            log = logs / ("serve-" + config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
+            label = f" (round {index + 1} of {repeats})" if repeats > 1 else ""
+            print(f"\n{config.name} server{label}: running (log: {log})", flush=True)
+            try:
+                summary = measure_server(config.engine, config.dtype, config.env, folder, load, venv,
+                                         VLLM_MEMORY_SHARE, log)
+            except RuntimeError as error:
+                print(f"{config.name} server FAILED: {error}")
+                continue
+            print(f"  started in {summary['start_seconds']:.0f} s; {summary['output_throughput']:.1f} output tok/s")
+            results[config.name] = summary
+        rounds.append(results)
+    return rounds
 
 
 def parse_args():
@@ -415,6 +439,9 @@ def parse_args():
     parser.add_argument("--skip-install", action="store_true", help="never make the vLLM environment")
     parser.add_argument("--skip", default="", help="configurations to leave out, comma-separated names as the "
                         "tables print them (e.g. 'transformers bfloat16', slow on CPUs without bfloat16 matmul)")
+    parser.add_argument("--serving-repeats", type=int, default=1, metavar="N",
+                        help="rounds of the serving section (every server once a round, in turn): the table "
+                        "gives each server's median round and the Quire-over-vLLM ratio of each round")
     parser.add_argument("--quick", action="store_true", help="small counts, for debugging the script")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "quire" / "bench-peers")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
@@ -430,6 +457,8 @@ def main() -> None:
         return worker_main(args)
     engines = [engine.strip() for engine in args.only.split(",") if engine.strip()]
     sections = [section.strip() for section in args.sections.split(",") if section.strip()]
+    if args.serving_repeats < 1:
+        sys.exit(f"--serving-repeats: at least 1 (got {args.serving_repeats})")
     for flag, chosen, known in (("--only", engines, ENGINES), ("--sections", sections, SECTIONS)):
         if set(chosen) - set(known):
             sys.exit(f"{flag}: unknown {sorted(set(chosen) - set(known))} (choose from {', '.join(known)})")
@@ -461,7 +490,7 @@ def main() -> None:
     configs = [config for config in configs if config.name not in skipped]
     if skipped:
         print(f"left out: {', '.join(sorted(skipped))}")
-    results, served = {}, {}
+    results, served = {}, []
     if "offline" in sections:
         for config in configs:
             log = logs / (config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
@@ -470,12 +499,12 @@ def main() -> None:
                 results[config.name] = result
     if "serving" in sections:  # Quire in its fastest dtype here, vLLM in each of its configurations
         servers = [config for config in configs if config.engine == "vllm" or config.name == "Quire bfloat16"]
-        served = run_serving(servers, folder, serving_load, venv, logs)
+        served = run_serving(servers, folder, serving_load, venv, logs, args.serving_repeats)
     (args.cache_dir / f"results-{args.model}.json").write_text(json.dumps(
-        {"bounds": bounds, "results": results, "serving": served}, indent=1))
+        {"bounds": bounds, "results": results, "serving": served[0] if len(served) == 1 else served}, indent=1))
     if results:
         print_tables(results, bounds, shape, load, title)
-    if served:
+    if any(served):
         print_serving(served, serving_load, title)
 
 

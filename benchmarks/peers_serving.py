@@ -143,6 +143,16 @@ def measure_server(engine: str, dtype: str, env: dict, folder: Path, load: Servi
             "start_seconds": start_seconds}
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """Each server's summary from the round of its median output throughput (the lower middle one of an even
+    count), over the rounds in which it ran."""
+    chosen = {}
+    for name in dict.fromkeys(name for served in rounds for name in served):
+        runs = sorted((served[name] for served in rounds if name in served), key=lambda s: s["output_throughput"])
+        chosen[name] = runs[(len(runs) - 1) // 2]
+    return chosen
+
+
 def serving_rows(results: dict) -> list[list]:
     rows = []
     for name, summary in results.items():
