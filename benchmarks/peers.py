@@ -462,7 +462,7 @@ def main() -> None:
     for flag, chosen, known in (("--only", engines, ENGINES), ("--sections", sections, SECTIONS)):
         if set(chosen) - set(known):
             sys.exit(f"{flag}: unknown {sorted(set(chosen) - set(known))} (choose from {', '.join(known)})")
-    from peers_serving import QUICK_SERVING, ServingLoad
+    from peers_serving import QUICK_SERVING, ServingLoad, median_round
 
     load = QUICK if args.quick else Workload()
     serving_load = QUICK_SERVING if args.quick else ServingLoad()
@@ -501,7 +501,7 @@ def main() -> None:
         servers = [config for config in configs if config.engine == "vllm" or config.name == "Quire bfloat16"]
         served = run_serving(servers, folder, serving_load, venv, logs, args.serving_repeats)
     (args.cache_dir / f"results-{args.model}.json").write_text(json.dumps(
-        {"bounds": bounds, "results": results, "serving": served[0] if len(served) == 1 else served}, indent=1))
+        {"bounds": bounds, "results": results, "serving": median_round(served), "serving_rounds": served}, indent=1))
     if results:
         print_tables(results, bounds, shape, load, title)
     if any(served):
