@@ -413,10 +413,11 @@ def run_serving(configs: list[PeerConfig], folder: Path, load, venv: Path | None
 
     rounds = []
     for index in range(repeats):
+        label = f" (round {index + 1} of {repeats})" if repeats > 1 else ""
+        suffix = f"-round{index + 1}" if repeats > 1 else ""  # a log for each round: a failed one stays readable
         results = {}
         for config in configs:
-            log = logs / ("serve-" + config.name.replace(" ", "-").replace("(", "").replace(")", "") + ".log")
-            label = f" (round {index + 1} of {repeats})" if repeats > 1 else ""
+            log = logs / ("serve-" + config.name.replace(" ", "-").replace("(", "").replace(")", "") + suffix + ".log")
             print(f"\n{config.name} server{label}: running (log: {log})", flush=True)
             try:
                 summary = measure_server(config.engine, config.dtype, config.env, folder, load, venv,
