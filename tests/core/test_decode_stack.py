@@ -98,20 +98,22 @@ def test_one_region_steps_equal_modules_bit_for_bit(tmp_path_factory, tiny_token
     folder = build_checkpoint(tmp_path_factory.mktemp(f"one-region-{arch}"), spec, tiny_tokenizer)
     llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=8)
     stack = model_of(llm).decode_stack
-    assert stack.one_region_max_rows == max(8, cpu_extension_kernels().onednn_amx_max_rows())
+    kernels = cpu_extension_kernels()
+    assert stack.one_region_max_rows == max(8, kernels.onednn_amx_max_rows(), kernels.onednn_wide_max_rows())
     steps = assert_stack_equals_modules(llm, corpus_token_ids)
     assert steps >= 2 * (NEW_TOKENS - 1)  # every decode step of both runs
 
 
-@pytest.mark.skipif(not one_region_possible() or cpu_extension_kernels().onednn_amx_max_rows() < 64,
-                    reason="one-region decode steps of more than 8 rows need AMX tiles (onednn_gemv's AMX kernel) "
-                    "and oneDNN's 32-output blocks")
+@pytest.mark.skipif(not one_region_possible() or max(cpu_extension_kernels().onednn_amx_max_rows(),
+                                                     cpu_extension_kernels().onednn_wide_max_rows()) < 64,
+                    reason="one-region decode steps of more than 8 rows need AMX tiles (onednn_gemv's AMX kernel, "
+                    "oneDNN's 32-output blocks) or oneDNN's 64-output blocks (onednn_gemv's runs of rows)")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms and a tied head
-def test_one_region_steps_on_amx_tiles_equal_modules_bit_for_bit(tmp_path_factory, tiny_tokenizer,
+def test_one_region_steps_of_many_rows_equal_modules_bit_for_bit(tmp_path_factory, tiny_tokenizer,
                                                                    corpus_token_ids, arch):
-    """Steps of 9 to 64 rows run as one parallel region on AMX tiles (rows padded to 16: one 16-row pass, a
-    padded 32-row one, whole 32-row passes with a 16-row or 32-row tail, whole passes alone), with the modules'
-    bits."""
+    """Steps of 9 to 64 rows run as one parallel region, with the modules' bits: on AMX tiles (rows padded to 16:
+    one 16-row pass, a padded 32-row one, whole 32-row passes with a 16-row or 32-row tail, whole passes alone), or
+    on oneDNN's 64-output blocks in runs of up to 6 rows (runs of 5 and 4 rows at 9, 4 runs at 20, 7-11 runs)."""
     import dataclasses
 
     from quire.core.testing.checkpoints import build_checkpoint

@@ -42,6 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onednn_gemv_max_rows", &onednn_gemv_max_rows, "the most rows onednn_gemv takes (0: not in this build)");
   m.def("onednn_amx_max_rows", &quire::onednn_amx_max_rows,
         "the most rows onednn_gemv's AMX kernel takes (0: no AMX, or oneDNN's blocks are not 32 outputs wide)");
+  m.def("onednn_wide_max_rows", &quire::onednn_wide_max_rows,
+        "the most rows onednn_gemv's runs of rows take in a decode step's one parallel region (0: oneDNN's blocks "
+        "are not 64 outputs wide)");
   m.def("onednn_gemv", &onednn_gemv, "x @ weight.T + bias for a few rows, on a weight oneDNN packed");
   m.def("onednn_amx_argmax", &onednn_amx_argmax,
         "each row's argmax of onednn_gemv(x, packed) on AMX tiles for 9 to onednn_amx_max_rows() rows (empty: declined)");

@@ -184,7 +184,7 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
   if (setting != nullptr && std::string(setting) == "0") one_region_ = row_region_ = false;
 }
 
-// ---- one parallel region for a whole decode step (up to 8 rows; 128 with AMX) ----
+// ---- one parallel region for a whole decode step (up to 8 rows; 128 with AMX, 64 with oneDNN's 64-wide blocks) ----
 //
 // At batch 1 a layer of a small model is ~0.3 ms of weight reads, and the path above spends a good part of
 // it between kernels: each opens and closes its own parallel region (~6 per layer), allocates its output,
@@ -192,11 +192,12 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
 // the whole stack in one region: the linear layers' 32-output blocks and the attention's KV heads are
 // claimed from shared counters, a barrier follows each, and the small row operations (norms, residual adds)
 // run on every thread at once, each on its own copy, instead of on one thread between two barriers (with
-// more than 8 rows, on AMX tiles, the norms' rows are shared out instead, a barrier after each).
+// more than 8 rows the norms' rows are shared out instead, a barrier after each).
 // Gate/up and SiLU are fused: a thread claims a run of gate blocks, computes it and the matching run of up
 // blocks (I/32 further on), then their SiLU-and-multiply straight into the down projection's input.
 // Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
-// silu_mul_span, onednn_gemv_block or onednn_amx_groups, paged_decode_bf16_item), so the results are the same
+// silu_mul_span, onednn_gemv_block, onednn_wide_groups or onednn_amx_groups, paged_decode_bf16_item), so the
+// results are the same
 // bits.
 
 namespace {
@@ -280,11 +281,13 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   }
   const int threads = std::max(1, at::get_num_threads());
   // Up to kOneRegionMaxRows rows the linear layers run on onednn_gemv_block and every thread computes each norm
-  // for itself. More rows (up to onednn_amx_max_rows) go through AMX tiles, from row buffers padded with zero
-  // rows to a multiple of 16, and the norms' rows are shared out among the threads, a barrier after each: a
-  // thread's own copy of 64 rows would cost more than the barrier.
-  const bool tiles = B > kOneRegionMaxRows;
-  const int64_t padded_rows = tiles ? (B + 15) / 16 * 16 : B;
+  // for itself. More rows share one copy of the normed rows, the norms' rows shared out among the threads, a
+  // barrier after each (a thread's own copy of 64 rows would cost more than the barrier), and the linear layers
+  // go through AMX tiles (up to onednn_amx_max_rows, from row buffers padded with zero rows to a multiple of 16)
+  // or, with oneDNN's 64-output blocks, through onednn_gemv's runs of rows (up to onednn_wide_max_rows).
+  const bool tiles = B > kOneRegionMaxRows;  // shared rows
+  const bool amx = tiles && onednn_amx_max_rows() >= B;
+  const int64_t padded_rows = amx ? (B + 15) / 16 * 16 : B;
   const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
   // claims of whole units (two 32-output groups where oneDNN packs 64-output blocks), starting on a unit
   const int64_t unit = onednn_gemv_block_groups();
@@ -337,9 +340,13 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   // group first, or null); out and bias start at group first's output 0, n outputs from there
   auto linear = [&](const uint32_t* in, int64_t P, const uint16_t* w, int64_t first, int64_t last,
                     const uint16_t* bias, uint16_t* out_first, int64_t out_stride, int64_t n) {
-    if (tiles) {
+    if (amx) {
       onednn_amx_groups(reinterpret_cast<const uint16_t*>(in), B, 2 * P, w, first, last, bias, out_first, out_stride,
                         n);
+      return;
+    }
+    if (tiles) {
+      onednn_wide_groups(in, B, P, w, first, last, bias, out_first, out_stride, n);
       return;
     }
     for (int64_t b = first; b < last; b += unit) {
@@ -490,7 +497,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 
 int64_t DecodeStack::one_region_max_rows() const {
   if (!one_region_) return row_region_ ? 1 : 0;
-  return std::max(kOneRegionMaxRows, onednn_amx_max_rows());
+  return std::max({kOneRegionMaxRows, onednn_amx_max_rows(), onednn_wide_max_rows()});
 }
 
 // ---- one parallel region for a batch-1 step on the AVX2 kernel path ----

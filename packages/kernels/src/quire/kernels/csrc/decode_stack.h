@@ -65,7 +65,8 @@ class DecodeStack {
   int64_t one_region_steps() const { return one_region_steps_; }
 
  private:
-  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows (onednn_gemv_block); more go through AMX tiles where present
+  // onednn_gemv's vdpbf16ps kernel takes up to 8 rows (onednn_gemv_block); more go through AMX tiles where present,
+  // or its runs of rows (onednn_wide_groups) where oneDNN packs 64-output blocks
   static constexpr int64_t kOneRegionMaxRows = 8;
   torch::Tensor forward_one_region(const torch::Tensor& hidden, const std::vector<torch::Tensor>& kv_caches,
                                    const torch::Tensor& tables, const torch::Tensor& lengths,

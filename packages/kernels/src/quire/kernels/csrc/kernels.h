@@ -93,6 +93,14 @@ void onednn_gemv_block(const uint32_t* pairs, int64_t rows, int64_t P, const uin
 int64_t onednn_amx_max_rows();
 void onednn_amx_groups(const uint16_t* x, int64_t rows, int64_t Kp, const uint16_t* packed_data, int64_t first,
                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
+// onednn_gemv's vdpbf16ps kernel for 9 to onednn_wide_max_rows() rows (0 unless oneDNN packs 64-output blocks:
+// AMD Zen 4) over 32-output groups [first, last) of a packed weight (first even: whole blocks), block by block in
+// runs of up to 6 rows, each block's later runs bringing the next block of the range into L2; rows of x as k-pairs
+// (`P` per row, zero past K); `count` outputs from group `first` on (bias offset to them, or null) to out (row
+// stride out_stride). Each row gets the bits onednn_gemv gives it.
+int64_t onednn_wide_max_rows();
+void onednn_wide_groups(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t first,
+                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
 // paged_decode's bfloat16 kernel for one request and KV head (paged_decode.cpp): the `group` query heads that
 // share it (query: group x head_dim bfloat16, rotated), over `length` cached tokens in `blocks`; float32
 // output [group, head_dim]. False in a build without AVX-512 BF16 (or head_dim not a multiple of 32).

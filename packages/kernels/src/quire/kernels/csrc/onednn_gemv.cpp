@@ -194,6 +194,24 @@ void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w,
   }
 }
 
+// Run `run` of `runs` (rows split by row_run) of a call of M rows, over block unit b (a W-output block: groups b
+// and b + 1 where W = 64): `count` outputs to out and bias (offset to the unit's output 0 of row 0, bias null or
+// offset likewise). Runs after the first bring the next block into the L2 cache, a share each, where `next` (the
+// same thread reads it next): its first run then finds the weight there instead of waiting for memory.
+inline void gemv_unit(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t b, int64_t run,
+                      int64_t runs, bool next, uint16_t* out, int64_t out_stride, const uint16_t* bias,
+                      int64_t count) {
+  const auto [r0, rows] = row_run(M, runs, run);
+  Ahead ahead;
+  if (run > 0 && next) {
+    const int64_t block_bytes = P * 2 * block_width() * 2, share = (block_bytes + runs - 2) / (runs - 1);
+    const char* later = reinterpret_cast<const char*>(group_data(w, b + block_width() / kBlock, P));
+    const int64_t from = (run - 1) * share;
+    ahead = {later + from, std::min(share, block_bytes - from)};
+  }
+  gemv_groups(pairs + r0 * P, rows, P, w, b, out + r0 * out_stride, out_stride, bias, count, M, ahead);
+}
+
 #endif  // QUIRE_ONEDNN_GEMV
 
 #ifdef QUIRE_ONEDNN_AMX
@@ -426,6 +444,34 @@ int64_t onednn_amx_max_rows() {
 #endif
 }
 
+int64_t onednn_wide_max_rows() {
+#ifdef QUIRE_ONEDNN_GEMV
+  return g_width.load() == 2 * kBlock ? kWideMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+void onednn_wide_groups(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t first,
+                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
+#ifdef QUIRE_ONEDNN_GEMV
+  const int64_t unit = onednn_gemv_block_groups(), per_pass = rows_per_pass(rows);
+  const int64_t runs = (rows + per_pass - 1) / per_pass;
+  for (int64_t b = first; b < last; b += unit) {
+    const int64_t c0 = (b - first) * kBlock;
+    if (c0 >= count) break;
+    for (int64_t run = 0; run < runs; ++run) {
+      gemv_unit(pairs, rows, P, packed_data, b, run, runs, b + unit < last, out + c0, out_stride,
+                bias != nullptr ? bias + c0 : nullptr, std::min(unit * kBlock, count - c0));
+    }
+  }
+#else
+  (void)pairs, (void)rows, (void)P, (void)packed_data, (void)first, (void)last, (void)bias, (void)out,
+      (void)out_stride, (void)count;
+  TORCH_CHECK(false, "onednn_wide_groups: this build has no AVX-512 BF16");
+#endif
+}
+
 void onednn_amx_groups(const uint16_t* x, int64_t rows, int64_t Kp, const uint16_t* packed_data, int64_t first,
                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
 #ifdef QUIRE_ONEDNN_AMX
@@ -491,19 +537,9 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const int64_t units = block_units * runs;
   quire::parallel_chunks(0, units, quire::chunk_size(units, 1, 4), [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = (u / runs) * unit, run = u % runs;
-      const auto [r0, rows] = row_run(M, runs, run);
-      // runs after the first bring this thread's next block into the cache, a share each
-      Ahead ahead;
-      if (run > 0 && (u / runs + 1) * runs < end) {
-        const int64_t block_bytes = P * 2 * block_width() * 2, share = (block_bytes + runs - 2) / (runs - 1);
-        const char* next = reinterpret_cast<const char*>(group_data(w, b + unit, P));
-        const int64_t from = (run - 1) * share;
-        ahead = {next + from, std::min(share, block_bytes - from)};
-      }
-      gemv_groups(pairs + r0 * P, rows, P, w, b, y + r0 * N + b * kBlock, N,
-                  bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(unit * kBlock, N - b * kBlock), M,
-                  ahead);
+      const int64_t b = (u / runs) * unit;
+      gemv_unit(pairs, M, P, w, b, u % runs, runs, (u / runs + 1) * runs < end, y + b * kBlock, N,
+                bias_p != nullptr ? bias_p + b * kBlock : nullptr, std::min(unit * kBlock, N - b * kBlock));
     }
   });
   return out;
