@@ -47,8 +47,19 @@ def bf16_path() -> str:
 @functools.cache
 def amx_matmul() -> bool:
     """Whether oneDNN multiplies this process's bfloat16 linear layers on AMX tiles (the ``onednn`` path on a
-    CPU with AMX): there its kernels want many rows at once (``quire.core.models.llama.cpu_mlp_chunk_rows``)."""
+    CPU with AMX)."""
     supported = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private: absent, AMX is not assumed
+    return bf16_path() == "onednn" and supported is not None and bool(supported())
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies this process's bfloat16 linear layers with the CPU's own bfloat16 instructions
+    (the ``onednn`` path on a CPU with AMX tiles or AVX-512 BF16, not oneDNN's float32 emulation): there its
+    kernels want many rows at once (``quire.core.models.llama.cpu_mlp_chunk_rows``)."""
+    if amx_matmul():
+        return True
+    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private: absent, not assumed
     return bf16_path() == "onednn" and supported is not None and bool(supported())
 
 

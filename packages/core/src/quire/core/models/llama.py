@@ -86,28 +86,30 @@ class LlamaAttention(nn.Module):
 
 
 CPU_MLP_CHUNK_ROWS = 512
-# NOTE: where oneDNN multiplies bfloat16 on AMX tiles, 512 rows keep its kernels well below their rate
-# (SmolLM2-135M's linear layers on two Intel AMX cores: 1,600 GFLOP/s at 512 rows, 2,360 at 2,048; a step of
-# 16 prompts of 128 tokens went from 408-493 to 337-373 ms), but the intermediate must stay small: the chunks
-# are the most rows, a power of two up to AMX_MLP_CHUNK_ROWS, whose intermediate ([rows, 2 * intermediate_size])
-# fits in AMX_MLP_INTERMEDIATE_BYTES. One MLP over 2,048 rows, chunk by chunk, on the same machine (ms; the
-# intermediate's MiB): SmolLM2-135M (intermediate 1,536) 7.6 at 512 rows (3), 6.7 at 1,024 (6), 5.3 at 2,048 (12);
-# Qwen2.5-0.5B (4,864) 26.1 at 512 (10), 35.7 at 1,024 (19); Qwen2.5-1.5B (8,960) 85.1 at 256 (9), 91.7 at 512
-# (18), 148 at 1,024 (35: over glibc's largest mmap threshold, mapped and faulted in afresh each time); TinyLlama
-# (5,632) 71.2 at 256 (6), 75.0 at 512 (11), 72.6 at 1,024 (22). Prefill of 64 prompts of 128 tokens in
-# Qwen2.5-0.5B's shape: 1,681-1,746 tokens/s at 1,024 rows, 2,165-2,172 at 512.
-AMX_MLP_CHUNK_ROWS = 2048
-AMX_MLP_INTERMEDIATE_BYTES = 16 << 20
+# NOTE: where oneDNN multiplies bfloat16 natively, 512 rows keep its kernels below their rate (a prefill of 32 prompts
+# of 128 tokens in SmolLM2-135M on two AMD Zen 4 cores with AVX-512 BF16, chunk sizes alternated in one process: 1,246
+# tok/s at 512 rows, 1,384 at 1,024, 1,404 at 2,048; on AMX tiles SmolLM2-135M's linear layers on two Intel cores:
+# 1,600 GFLOP/s at 512 rows, 2,360 at 2,048; a step of 16 prompts of 128 tokens went from 408-493 to 337-373 ms), but
+# the intermediate must stay small: the chunks are the most rows, a power of two up to NATIVE_BF16_MLP_CHUNK_ROWS,
+# whose intermediate ([rows, 2 * intermediate_size]) fits in NATIVE_BF16_MLP_INTERMEDIATE_BYTES. One MLP over 2,048
+# rows, chunk by chunk, on the AMX machine (ms; the intermediate's MiB): SmolLM2-135M (intermediate 1,536) 7.6 at 512
+# rows (3), 6.7 at 1,024 (6), 5.3 at 2,048 (12); Qwen2.5-0.5B (4,864) 26.1 at 512 (10), 35.7 at 1,024 (19);
+# Qwen2.5-1.5B (8,960) 85.1 at 256 (9), 91.7 at 512 (18), 148 at 1,024 (35: over glibc's largest mmap threshold,
+# mapped and faulted in afresh each time); TinyLlama (5,632) 71.2 at 256 (6), 75.0 at 512 (11), 72.6 at 1,024 (22).
+# Prefill of 64 prompts of 128 tokens in Qwen2.5-0.5B's shape: 1,681-1,746 tokens/s at 1,024 rows, 2,165-2,172 at 512.
+NATIVE_BF16_MLP_CHUNK_ROWS = 2048
+NATIVE_BF16_MLP_INTERMEDIATE_BYTES = 16 << 20
 
 
 def cpu_mlp_chunk_rows(intermediate_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk of a long CPU step's MLP: ``CPU_MLP_CHUNK_ROWS``, or on AMX tiles (bfloat16) the most rows
-    (a power of two, 16 to ``AMX_MLP_CHUNK_ROWS``) whose intermediate fits in ``AMX_MLP_INTERMEDIATE_BYTES``."""
-    if not (dtype == torch.bfloat16 and linear_ops.amx_matmul()):
+    """Rows per chunk of a long CPU step's MLP: ``CPU_MLP_CHUNK_ROWS``, or where oneDNN multiplies bfloat16
+    natively (AMX tiles, AVX-512 BF16) the most rows (a power of two, 16 to ``NATIVE_BF16_MLP_CHUNK_ROWS``) whose
+    intermediate fits in ``NATIVE_BF16_MLP_INTERMEDIATE_BYTES``."""
+    if not (dtype == torch.bfloat16 and linear_ops.native_bf16_matmul()):
         return CPU_MLP_CHUNK_ROWS
     bytes_per_row = 2 * intermediate_size * dtype.itemsize
-    rows = AMX_MLP_CHUNK_ROWS
-    while rows > 16 and rows * bytes_per_row > AMX_MLP_INTERMEDIATE_BYTES:
+    rows = NATIVE_BF16_MLP_CHUNK_ROWS
+    while rows > 16 and rows * bytes_per_row > NATIVE_BF16_MLP_INTERMEDIATE_BYTES:
         rows //= 2
     return rows
 
