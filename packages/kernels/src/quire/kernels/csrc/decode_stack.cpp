@@ -197,8 +197,7 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
 // blocks (I/32 further on), then their SiLU-and-multiply straight into the down projection's input.
 // Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
 // silu_mul_span, onednn_gemv_block, onednn_wide_groups or onednn_amx_groups, paged_decode_bf16_item), so the
-// results are the same
-// bits.
+// results are the same bits.
 
 namespace {
 
@@ -285,8 +284,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   // barrier after each (a thread's own copy of 64 rows would cost more than the barrier), and the linear layers
   // go through AMX tiles (up to onednn_amx_max_rows, from row buffers padded with zero rows to a multiple of 16)
   // or, with oneDNN's 64-output blocks, through onednn_gemv's runs of rows (up to onednn_wide_max_rows).
-  const bool tiles = B > kOneRegionMaxRows;  // shared rows
-  const bool amx = tiles && onednn_amx_max_rows() >= B;
+  const bool shared = B > kOneRegionMaxRows;
+  const bool amx = shared && onednn_amx_max_rows() >= B;
   const int64_t padded_rows = amx ? (B + 15) / 16 * 16 : B;
   const int64_t qkv_blocks = (qkv_n + 31) / 32, hidden_blocks = (Hd + 31) / 32, inter_blocks = I / 32;
   // claims of whole units (two 32-output groups where oneDNN packs 64-output blocks), starting on a unit
@@ -301,7 +300,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   const int64_t heads_chunk = B >= 4 * threads ? Hk : 1;
   std::vector<ThreadBuffers> buffers(threads);
   for (auto& t : buffers) {
-    if (!tiles) {
+    if (!shared) {
       t.x.assign(B * P_hidden, 0);
       t.residual[0].resize(B * Hd);
       t.residual[1].resize(B * Hd);
@@ -317,13 +316,13 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     t.scratch.totals.reserve(group);
   }
   // shared: the projections' outputs (each written by whichever thread claims a block), the attention and
-  // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from; with tiles the
-  // normed rows and the residual too
+  // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from; with shared rows
+  // the normed rows and the residual too
   std::vector<uint16_t> qkv(B * qkv_n), projected(B * Hd), down(B * Hd);
   std::vector<uint32_t> attention_pairs(padded_rows * P_q, 0), act_pairs(padded_rows * P_inter, 0);
-  std::vector<uint32_t> shared_x(tiles ? padded_rows * P_hidden : 0, 0);
-  std::vector<uint16_t> shared_residual[2] = {std::vector<uint16_t>(tiles ? B * Hd : 0),
-                                              std::vector<uint16_t>(tiles ? B * Hd : 0)};
+  std::vector<uint32_t> shared_x(shared ? padded_rows * P_hidden : 0, 0);
+  std::vector<uint16_t> shared_residual[2] = {std::vector<uint16_t>(shared ? B * Hd : 0),
+                                              std::vector<uint16_t>(shared ? B * Hd : 0)};
   constexpr int64_t kPhases = 7;
   std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * kPhases + 1]());
   auto out = torch::empty({B, Hd}, hidden.options());
@@ -345,7 +344,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                         n);
       return;
     }
-    if (tiles) {
+    if (shared) {
       onednn_wide_groups(in, B, P, w, first, last, bias, out_first, out_stride, n);
       return;
     }
@@ -363,13 +362,13 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #else
     ThreadBuffers& mine = buffers[0];
 #endif
-    uint32_t* x_pairs = tiles ? shared_x.data() : mine.x.data();
+    uint32_t* x_pairs = shared ? shared_x.data() : mine.x.data();
     uint16_t* x = reinterpret_cast<uint16_t*>(x_pairs);
-    uint16_t* residual_out[2] = {tiles ? shared_residual[0].data() : mine.residual[0].data(),
-                                 tiles ? shared_residual[1].data() : mine.residual[1].data()};
-    // norm(m) for each row: every thread all of them (its own copy), or with tiles a share of them
+    uint16_t* residual_out[2] = {shared ? shared_residual[0].data() : mine.residual[0].data(),
+                                 shared ? shared_residual[1].data() : mine.residual[1].data()};
+    // norm(m) for each row: every thread all of them (its own copy), or with shared rows a share of them
     auto norm_rows = [&](std::atomic<int64_t>& counter, auto&& norm) {
-      if (tiles) {
+      if (shared) {
         claim(counter, B, row_chunk, each(norm));
       } else {
         for (int64_t m = 0; m < B; ++m) norm(m);
@@ -390,7 +389,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                                  x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
         }
       });
-      if (tiles) {
+      if (shared) {
 #pragma omp barrier
       }
       if (l > 0) {
@@ -450,7 +449,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
         rms_norm_row<uint16_t>(projected.data() + m * Hd, residual + m * Hd, bf16_data(layer.post_norm),
                                x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
       });
-      if (tiles) {
+      if (shared) {
 #pragma omp barrier
       }
       residual = residual_out[flip];
@@ -475,7 +474,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       });
 #pragma omp barrier
     }
-    // the final norm: thread 0 alone, or with tiles a share of the rows each
+    // the final norm: thread 0 alone, or with shared rows a share of the rows each
     auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     auto final_norm = [&](int64_t m) {
       rms_norm_row<uint16_t>(down.data() + m * Hd, residual + m * Hd, bf16_data(final_norm_), o + m * Hd,
@@ -485,7 +484,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #ifdef _OPENMP
     lead = omp_get_thread_num() == 0;
 #endif
-    if (tiles) {
+    if (shared) {
       claim(counters[num_layers * kPhases], B, row_chunk, each(final_norm));
     } else if (lead) {
       for (int64_t m = 0; m < B; ++m) final_norm(m);
