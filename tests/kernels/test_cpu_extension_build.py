@@ -119,6 +119,19 @@ def test_a_failed_build_is_remembered_until_retried(tmp_path):
     assert run_exclusively(directory, builder, retry_failed=False) == "module"
 
 
+def test_a_build_that_only_failed_to_load_here_is_not_remembered(tmp_path):
+    # the library is on disk; importing it raised in this process (as when a second build of the kernels has
+    # registered the same types first), which says nothing of other processes
+    directory = tmp_path / "quire_cpu_kernels_test"
+    failing = FakeBuilder(ImportError('generic_type: type "DecodeStack" is already registered!'))
+    with pytest.raises(KernelBuildError, match="could not be loaded into this process"):
+        run_exclusively(directory, failing, retry_failed=False, is_built=lambda: True)
+    assert not (directory / FAILURE_MARKER_NAME).exists()
+    builder = FakeBuilder()
+    assert run_exclusively(directory, builder, retry_failed=False, is_built=lambda: True) == "module"
+    assert builder.num_calls == 1
+
+
 def test_a_failed_build_is_remembered_across_processes(tmp_path):
     # a compiler that fails at once: no compile happens, in a private extension cache
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false", "QUIRE_CPU_KERNELS": "1"}

@@ -7,7 +7,9 @@ holder dies, so it can never be stale. Only a holder of that flock enters torch'
 ``lock`` file found by the holder was left by a dead process, and is removed.
 
 A build that raised leaves its error in the directory (``quire-build-failed.txt``); later processes read it and
-skip the build (minutes each) until it is retried on purpose (``python -m quire.kernels build``). The directory
+skip the build (minutes each) until it is retried on purpose (``python -m quire.kernels build``). An error raised
+while the built library is on disk (loading it into this process failed: say a second build of the kernels had
+already registered its types here) is raised but not remembered: the build itself succeeded. The directory
 is named after a digest of the sources and the build's inputs, so a new source version builds afresh.
 This module imports no torch: the tests drive it with fake builders.
 """
@@ -35,13 +37,16 @@ class KernelBuildError(RuntimeError):
     """The C++ CPU kernels could not be built or loaded here; the message says why and how to retry."""
 
 
-def run_exclusively(build_directory: Path, builder: Callable[[], T], *, retry_failed: bool) -> T:
+def run_exclusively(build_directory: Path, builder: Callable[[], T], *, retry_failed: bool,
+                    is_built: Callable[[], bool] = lambda: False) -> T:
     """``builder()`` (torch's build-or-load for ``build_directory``), run under the directory's flock.
 
     Raises ``KernelBuildError`` without calling ``builder`` when an earlier build failed here, unless
     ``retry_failed``. When ``builder`` raises, its error is written to the directory's failure marker and raised
-    as ``KernelBuildError``; a success removes the marker. ``BaseException``s that are not ``Exception``s
-    (an interrupt) pass through unrecorded: an interrupted build has not failed.
+    as ``KernelBuildError``; a success removes the marker. Where ``is_built()`` (the library is on disk) after
+    ``builder`` raised, only loading it failed, in this process: the error is raised and not written.
+    ``BaseException``s that are not ``Exception``s (an interrupt) pass through unrecorded: an interrupted build
+    has not failed.
     """
     with exclusive_access(build_directory):
         earlier_failure = None if retry_failed else remembered_failure(build_directory)
@@ -52,6 +57,9 @@ def run_exclusively(build_directory: Path, builder: Callable[[], T], *, retry_fa
         try:
             result = builder()
         except Exception as error:
+            if is_built():
+                reason = _summary(str(error))
+                raise KernelBuildError(f"the built kernels could not be loaded into this process: {reason}") from error
             marker.write_text(f"{type(error).__name__}: {error}\n")
             raise KernelBuildError(f"the build failed: {_summary(str(error))} (the whole error is in {marker}; "
                                    f"retry with `{RETRY_COMMAND}`)") from error

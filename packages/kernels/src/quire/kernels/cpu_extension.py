@@ -117,7 +117,8 @@ def _is_disabled() -> bool:
 
 def _build_or_load(retry_failed: bool) -> ModuleType:
     directory = build_directory()
-    return run_exclusively(directory, functools.partial(_compile_and_import, directory), retry_failed=retry_failed)
+    return run_exclusively(directory, functools.partial(_compile_and_import, directory), retry_failed=retry_failed,
+                           is_built=lambda: _library_path(directory).exists())
 
 
 def _compile_and_import(directory: Path) -> ModuleType:
