@@ -126,6 +126,50 @@ def test_one_region_steps_of_many_rows_equal_modules_bit_for_bit(tmp_path_factor
     assert steps >= 5 * (NEW_TOKENS - 1)  # every decode step of every run
 
 
+@pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "
+                    "and oneDNN-packed bfloat16 weights")
+def test_one_region_steps_with_several_queries_of_a_request_equal_modules(tmp_path_factory, tiny_tokenizer,
+                                                                         corpus_token_ids):
+    """A prompt's last chunk of up to MAX_SPLIT_QUERY_LEN tokens after its cached part decodes as one stack row per
+    token, beside other requests' decode rows: each row reads the keys and values the rows before it write in the
+    same step. Alone (6 and 10 rows) and with three decode rows (19 rows), the stack gives the modules' bits."""
+    import dataclasses
+
+    from quire.core.testing.checkpoints import build_checkpoint
+    from quire.kernels.attention import MAX_SPLIT_QUERY_LEN
+    from tests.conftest import checkpoint_specs
+
+    # four KV heads a row, long contexts: a row's later heads are written well after its first is read
+    spec = dataclasses.replace(checkpoint_specs()["llama"], head_dim=32, num_attention_heads=8, num_key_value_heads=4,
+                               num_hidden_layers=2)
+    folder = build_checkpoint(tmp_path_factory.mktemp("one-region-chunk-tails"), spec, tiny_tokenizer)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+    model = model_of(llm)
+    stack = model.decode_stack
+    shared_rows = []  # the stack's steps in which rows of one request follow each other
+
+    class Recording:
+        num_layers = stack.num_layers
+
+        def forward(self, hidden, kv_caches, tables, *rest):
+            if len({tuple(row) for row in tables.tolist()}) < tables.shape[0]:
+                shared_rows.append(hidden.shape[0])
+            return stack.forward(hidden, kv_caches, tables, *rest)
+
+    # 134 and 138 tokens: a 128-token chunk, then a 6-token or 10-token tail alone; 40, 40, 40 and 274 tokens: the
+    # three short prompts and 8 tokens of the long one, 125 more of it twice beside three decodes, then its 16-token
+    # tail beside them
+    batches = [[corpus_token_ids[:134]], [corpus_token_ids[:138]],
+               [corpus_token_ids[i * 300:i * 300 + n] for i, n in enumerate((40, 40, 40, 274))]]
+    model.decode_stack = Recording()
+    fused = [generate(llm, batch) for batch in batches]
+    model.decode_stack = None
+    modules = [generate(llm, batch) for batch in batches]
+    model.decode_stack = stack
+    assert {6, 10, 19} <= set(shared_rows) and MAX_SPLIT_QUERY_LEN >= 16
+    assert fused == modules
+
+
 @pytest.mark.skipif(not one_region_possible() and linear_ops.bf16_path() != "kernel",
                     reason="one-region decode steps need oneDNN-packed bfloat16 weights (AVX-512 BF16) or Quire's "
                            "AVX2 kernel")

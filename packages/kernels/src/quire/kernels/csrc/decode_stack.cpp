@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <unordered_set>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -268,6 +269,18 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                 length_of[b], " does not fit its block table");
     longest = std::max(longest, length_of[b]);
   }
+  // Whether a row reads a cache slot another row of this step writes (several queries of one request: a prompt's
+  // tail after its cached prefix, or a speculative step's drafts). Such a step writes every row's keys and values
+  // into the cache before any row's attention; otherwise each row's attention follows its own write.
+  bool chained = false;
+  {
+    const std::unordered_set<int64_t> written(slot_of, slot_of + B);
+    for (int64_t b = 0; b < B && !chained; ++b) {
+      for (int64_t p = std::max<int64_t>(0, length_of[b] - B); p + 1 < length_of[b] && !chained; ++p) {
+        chained = written.count(table[b * max_blocks + p / block_size] * block_size + p % block_size) > 0;
+      }
+    }
+  }
   std::vector<const uint16_t*> keys, values;
   cache_halves(kv_caches, block_size, num_slots, Hk, D, keys, values);
   std::vector<const uint16_t*> weights(num_layers * 4);
@@ -318,12 +331,12 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   // shared: the projections' outputs (each written by whichever thread claims a block), the attention and
   // SiLU outputs as k-pairs (zero past their width), the counters each phase claims work from; with shared rows
   // the normed rows and the residual too
-  std::vector<uint16_t> qkv(B * qkv_n), projected(B * Hd), down(B * Hd);
+  std::vector<uint16_t> qkv(B * qkv_n), projected(B * Hd), down(B * Hd), queries(chained ? B * q_size : 0);
   std::vector<uint32_t> attention_pairs(padded_rows * P_q, 0), act_pairs(padded_rows * P_inter, 0);
   std::vector<uint32_t> shared_x(shared ? padded_rows * P_hidden : 0, 0);
   std::vector<uint16_t> shared_residual[2] = {std::vector<uint16_t>(shared ? B * Hd : 0),
                                               std::vector<uint16_t>(shared ? B * Hd : 0)};
-  constexpr int64_t kPhases = 7;
+  constexpr int64_t kPhases = 8;
   std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[num_layers * kPhases + 1]());
   auto out = torch::empty({B, Hd}, hidden.options());
   const uint16_t* input = bf16_data(hidden);
@@ -406,8 +419,9 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #pragma omp barrier
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
       uint16_t* attention_out = as_bf16(attention_pairs);
-      claim(counter[1], B * Hk, heads_chunk, each([&](int64_t item) {
-        const int64_t m = item / Hk, kv = item % Hk;
+      // a row's KV head: q/k norms, rotation, the new key and value into the cache; its group of rotated query
+      // heads into query_out
+      auto prepare_head = [&](int64_t m, int64_t kv, uint16_t* query_out) {
         const uint16_t* row = qkv.data() + m * qkv_n;
         const uint16_t* c = cos_p + m * half;
         const uint16_t* s = sin_p + m * half;
@@ -429,13 +443,33 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                                    mine.summed.data());
             query = mine.head.data();
           }
-          rotate_head<uint16_t>(query, c, s, mine.query.data() + r * D, D);
+          rotate_head<uint16_t>(query, c, s, query_out + r * D, D);
         }
-        paged_decode_bf16_item(mine.query.data(), keys[l], values[l], table + m * max_blocks, length_of[m], kv,
-                               group, Hk, D, block_size, scale, mine.attention.data(), mine.scratch);
+      };
+      // attention of a row's KV head, from its rotated query heads
+      auto attend = [&](int64_t m, int64_t kv, const uint16_t* query) {
+        paged_decode_bf16_item(query, keys[l], values[l], table + m * max_blocks, length_of[m], kv, group, Hk, D,
+                               block_size, scale, mine.attention.data(), mine.scratch);
         uint16_t* dst = attention_out + m * 2 * P_q + kv * group * D;
         for (int64_t i = 0; i < group * D; ++i) dst[i] = float_to_bf16_as_torch(mine.attention[i]);
-      }));
+      };
+      if (chained) {  // every row's cache writes (and rotated queries), then every row's attention
+        claim(counter[1], B * Hk, heads_chunk, each([&](int64_t item) {
+          const int64_t m = item / Hk, kv = item % Hk;
+          prepare_head(m, kv, queries.data() + m * q_size + kv * group * D);
+        }));
+#pragma omp barrier
+        claim(counter[7], B * Hk, heads_chunk, each([&](int64_t item) {
+          const int64_t m = item / Hk, kv = item % Hk;
+          attend(m, kv, queries.data() + m * q_size + kv * group * D);
+        }));
+      } else {
+        claim(counter[1], B * Hk, heads_chunk, each([&](int64_t item) {
+          const int64_t m = item / Hk, kv = item % Hk;
+          prepare_head(m, kv, mine.query.data());
+          attend(m, kv, mine.query.data());
+        }));
+      }
 #pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
