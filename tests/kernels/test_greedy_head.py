@@ -1,6 +1,7 @@
 """The screened greedy LM head names exactly the full head's argmax (the bfloat16 logits of the head's own path:
-``onednn_gemv`` with AVX-512, ``linear_bf16`` on AVX2; first index on a tie), or declines. With AMX tiles, rows past
-the screen's 8 take ``onednn_amx_argmax`` (the full head's logits, never written), which must name the same tokens."""
+``onednn_gemv`` with AVX-512, ``linear_bf16`` on AVX2; first index on a tie), or declines. With AMX tiles or oneDNN's
+64-output blocks, rows past the screen's 8 take ``onednn_amx_argmax`` or ``onednn_wide_argmax`` (the full head's
+logits, never written), which must name the same tokens."""
 
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ def path(request):
     return request.param
 
 
-# the onednn path's rows past the screen's 8, on AMX tiles (0 without them)
-AMX_ROWS = (min(KERNELS.onednn_gemv_max_rows(), KERNELS.onednn_amx_max_rows())
-            if "onednn" in PATHS and KERNELS.onednn_amx_max_rows() > greedy_head.MAX_ROWS else 0)
+# the onednn path's rows past the screen's 8, on AMX tiles or oneDNN's 64-output blocks (0 with neither)
+FUSED_ROWS = (min(KERNELS.onednn_gemv_max_rows(), max(KERNELS.onednn_amx_max_rows(), KERNELS.onednn_wide_max_rows()))
+              if "onednn" in PATHS else 0)
+FUSED_ROWS = FUSED_ROWS if FUSED_ROWS > greedy_head.MAX_ROWS else 0
 
 
 def max_rows(path: str) -> int:
     if path == "onednn":
-        return AMX_ROWS or greedy_head.MAX_ROWS
+        return FUSED_ROWS or greedy_head.MAX_ROWS
     return greedy_head.KERNEL_MAX_ROWS
 
 
@@ -105,17 +107,19 @@ def test_shapes_it_does_not_take(path):
     assert greedy_head.greedy_head(lambda x, bias: x) is None  # not a prepacked head
 
 
-amx_only = pytest.mark.skipif(not AMX_ROWS, reason="rows past 8 on the onednn path need AMX tiles")
+fused_only = pytest.mark.skipif(not FUSED_ROWS, reason="rows past 8 on the onednn path need AMX tiles or oneDNN's "
+                                "64-output blocks")
 
 
-@amx_only
+@fused_only
 @pytest.mark.parametrize(("num_outputs", "width"), [(1000, 64), (2051, 96), (49152, 576), (100, 40)])
 @pytest.mark.parametrize("rows", [9, 16, 17, 33, 64, 100, 128])
-def test_rows_on_amx_tiles_get_the_full_heads_argmax(num_outputs, width, rows):
+def test_rows_past_the_screen_get_the_full_heads_argmax(num_outputs, width, rows):
     # widths that fill 32-wide k-steps and one that does not (40: padded rows); a vocabulary that is not a whole
-    # number of 32-output blocks; every way amx_groups takes the rows (whole 32s, 16-row and 32-row tails)
-    if rows > AMX_ROWS:
-        pytest.skip(f"AMX tiles take up to {AMX_ROWS} rows here")
+    # number of 32-output (or 64-output) blocks; every way amx_groups takes the rows (whole 32s, 16-row and 32-row
+    # tails), and runs of 5 and 4 rows to 6-row runs on 64-output blocks
+    if rows > FUSED_ROWS:
+        pytest.skip(f"the fused head takes up to {FUSED_ROWS} rows here")
     generator = torch.Generator().manual_seed(num_outputs + rows)
     weight = (torch.randn(num_outputs, width, generator=generator) * 0.05).bfloat16()
     packed, head = head_of(weight, "onednn")
@@ -126,8 +130,8 @@ def test_rows_on_amx_tiles_get_the_full_heads_argmax(num_outputs, width, rows):
         assert torch.equal(tokens, full_argmax(packed, x))
 
 
-@amx_only
-def test_a_tie_on_amx_tiles_goes_to_the_first_index():
+@fused_only
+def test_a_tie_past_the_screen_goes_to_the_first_index():
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(3000, 128, generator=generator) * 0.05).bfloat16()
     x = torch.randn(12, 128, generator=generator).bfloat16()
@@ -141,9 +145,9 @@ def test_a_tie_on_amx_tiles_goes_to_the_first_index():
     assert torch.equal(tokens, full_argmax(packed, x))
 
 
-@amx_only
+@fused_only
 @pytest.mark.parametrize("special", [float("nan"), float("inf")])
-def test_amx_tiles_decline_hidden_states_that_are_not_finite(special):
+def test_the_fused_head_declines_hidden_states_that_are_not_finite(special):
     packed, head = head_of((torch.randn(500, 64) * 0.05).bfloat16(), "onednn")
     x = torch.randn(20, 64).bfloat16()
     x[13, 7] = special

@@ -13,7 +13,9 @@ computes the full logits.
 
 With AMX tiles, steps of 9 to 128 rows (past the screen's vdpbf16ps rows) take ``onednn_amx_argmax``
 instead: the full head on ``onednn_gemv``'s own tiles, each row's argmax kept as the blocks are computed and
-the logits never written (the bits of ``onednn_gemv``'s logits, so the same token).
+the logits never written (the bits of ``onednn_gemv``'s logits, so the same token). Where oneDNN packs 64-output
+blocks (AVX-512 BF16 without AMX), steps of 9 to 64 rows take ``onednn_wide_argmax``: the same on
+``onednn_gemv``'s runs of rows.
 
 On AVX2 CPUs without oneDNN's bfloat16 path the head is a ``KernelLinear`` (``csrc/linear_bf16.cpp``), and
 ``greedy_head_tokens_bf16`` screens it the same way (int16 dot products with ``vpmaddwd``), for up to
@@ -44,9 +46,13 @@ class GreedyHead:
             self._tokens = kernels.greedy_head_tokens
             self.max_rows = MAX_ROWS
             amx_rows = min(head.gemv_rows, kernels.onednn_amx_max_rows())  # 0 without AMX tiles
+            wide_rows = min(head.gemv_rows, kernels.onednn_wide_max_rows())  # 0 unless oneDNN packs 64 wide
             if amx_rows > MAX_ROWS:
                 self._wide = kernels.onednn_amx_argmax
                 self.max_rows = amx_rows
+            elif wide_rows > MAX_ROWS:
+                self._wide = kernels.onednn_wide_argmax
+                self.max_rows = wide_rows
             dense = head.packed.to_dense()
         else:
             self._head = head.weight

@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onednn_gemv", &onednn_gemv, "x @ weight.T + bias for a few rows, on a weight oneDNN packed");
   m.def("onednn_amx_argmax", &onednn_amx_argmax,
         "each row's argmax of onednn_gemv(x, packed) on AMX tiles for 9 to onednn_amx_max_rows() rows (empty: declined)");
+  m.def("onednn_wide_argmax", &onednn_wide_argmax,
+        "each row's argmax of onednn_gemv(x, packed) on oneDNN's 64-output blocks for 9 to onednn_wide_max_rows() rows "
+        "(empty: declined)");
   m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head_tokens exists in this build");
   m.def("greedy_head_tokens", &greedy_head_tokens,
         "each row's argmax of x @ packed.T, screened with an int8 copy of the head (empty: declined)");

@@ -47,6 +47,7 @@ bool greedy_head_supported();
 // The argmax of onednn_gemv's logits for 9 to onednn_amx_max_rows() rows on AMX tiles, without writing them;
 // empty where it declines (other rows, x not finite, a NaN logit).
 torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed);
+torch::Tensor onednn_wide_argmax(torch::Tensor x, torch::Tensor packed);
 torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::Tensor q, torch::Tensor scale,
                                  torch::Tensor bound);
 // Quantized weights (quant_linear.cpp): data/scale/qtype as quire.kernels.quant.QuantizedWeight holds them;

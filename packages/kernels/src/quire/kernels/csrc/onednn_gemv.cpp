@@ -551,74 +551,82 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 #endif
 }
 
-// ---- each row's argmax of onednn_gemv's logits on AMX tiles, without writing them ----
+// ---- each row's argmax of onednn_gemv's logits, without writing them ----
 //
-// From 9 rows (decode steps of a busy server or a batch) onednn_gemv computes an LM head on AMX tiles and writes
-// every logit, which the sampler then reads back for a plain greedy step's argmax: SmolLM2-135M's head at 64 rows
-// writes and reads 6.3 MB for 64 indices. Here each thread computes its blocks with the same amx_groups call into a
-// block-sized buffer and keeps, per row and lane, the largest value so far and its block; the lanes and threads
-// are then merged (first index on a tie), so the token is argmax(onednn_gemv(x, packed)) exactly. Empty (the
-// caller computes the logits) where x is not finite or a logit is NaN.
-torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
-  auto none = torch::empty({0}, x.options().dtype(at::kLong));
-#ifdef QUIRE_ONEDNN_AMX
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_amx_argmax: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_amx_argmax: the weight must be packed by oneDNN");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "onednn_amx_argmax: x has ", K, " columns, the weight ", packed.size(1));
-  if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) return none;
-  const auto xc = x.contiguous();
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < M * K; ++i) {
-    if ((xs[i] & 0x7F80) == 0x7F80) return none;  // inf or NaN
-  }
-  const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, kBlock) / kBlock;
-  const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
-  const AmxRows rows(x, xs, M, K, 2 * P);
-  std::vector<float> best(M, -INFINITY);
-  std::vector<int64_t> index(M, -1);
-  std::atomic<bool> saw_nan{false};
-  std::mutex merge_lock;
-  quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
-    _tile_loadconfig(&quire::full_tile_config());
-    std::vector<uint16_t> logits(M * kBlock);
-    // per row, for each of a block's 32 lanes: the largest logit so far and the block it came from
-    std::vector<float> lane_best(M * kBlock, -INFINITY);
-    std::vector<int32_t> lane_block(M * kBlock, -1);
-    __mmask16 nan_lanes = 0;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = std::min(kBlock, N - b * kBlock);
-      rows.groups(w, b, b + 1, nullptr, logits.data(), kBlock, n);
-      const __mmask16 valid[2] = {static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1),
-                                  static_cast<__mmask16>(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1)};
-      const __m512i block = _mm512_set1_epi32(static_cast<int32_t>(b));
-      for (int64_t m = 0; m < M; ++m) {
-        for (int h = 0; h < 2; ++h) {
-          const int64_t at = m * kBlock + 16 * h;
-          const __m512 v = quire::bf16_to_float(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(logits.data() + at)));
-          nan_lanes |= _mm512_mask_cmp_ps_mask(valid[h], v, v, _CMP_UNORD_Q);
-          const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid[h], v, _mm512_loadu_ps(&lane_best[at]), _CMP_GT_OQ);
-          _mm512_mask_storeu_ps(&lane_best[at], larger, v);
-          _mm512_mask_storeu_epi32(&lane_block[at], larger, block);
-        }
+// From 9 rows (decode steps of a busy server or a batch) onednn_gemv computes an LM head on AMX tiles, or in runs
+// of rows on oneDNN's 64-output blocks, and writes every logit, which the sampler then reads back for a plain
+// greedy step's argmax: SmolLM2-135M's head at 64 rows writes and reads 6.3 MB for 64 indices. Here each thread
+// computes its blocks with the same kernel call into a block-sized buffer and keeps, per row and lane, the largest
+// value so far and its block; the lanes and threads are then merged (first index on a tie), so the token is
+// argmax(onednn_gemv(x, packed)) exactly. Empty (the caller computes the logits) where x is not finite or a logit
+// is NaN.
+#ifdef QUIRE_ONEDNN_GEMV
+namespace {
+
+// The running argmax of M rows over blocks of `width` outputs (a multiple of 16).
+class LaneArgmax {
+ public:
+  LaneArgmax(int64_t M, int64_t width) : M_(M), width_(width), best_(M * width, -INFINITY), block_(M * width, -1) {}
+
+  // logits[m * width + c] for the first n outputs of block b
+  void update(const uint16_t* logits, int64_t b, int64_t n) {
+    const __m512i block = _mm512_set1_epi32(static_cast<int32_t>(b));
+    for (int64_t h = 0; 16 * h < n; ++h) {
+      const int64_t left = n - 16 * h;
+      const __mmask16 valid = static_cast<__mmask16>(left >= 16 ? 0xFFFF : (1u << left) - 1);
+      for (int64_t m = 0; m < M_; ++m) {
+        const int64_t at = m * width_ + 16 * h;
+        const __m512 v = quire::bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(logits + at)));
+        nan_lanes_ |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+        const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, _mm512_loadu_ps(&best_[at]), _CMP_GT_OQ);
+        _mm512_mask_storeu_ps(&best_[at], larger, v);
+        _mm512_mask_storeu_epi32(&block_[at], larger, block);
       }
     }
-    _tile_release();
-    if (nan_lanes != 0) saw_nan.store(true, std::memory_order_relaxed);
-    std::lock_guard<std::mutex> guard(merge_lock);
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t lane = 0; lane < kBlock; ++lane) {
-        const int32_t from = lane_block[m * kBlock + lane];
+  }
+
+  // into each row's best value and index (the first index on a tie); false if a logit was NaN
+  bool merge_into(std::vector<float>& best, std::vector<int64_t>& index) const {
+    for (int64_t m = 0; m < M_; ++m) {
+      for (int64_t lane = 0; lane < width_; ++lane) {
+        const int32_t from = block_[m * width_ + lane];
         if (from < 0) continue;
-        const float v = lane_best[m * kBlock + lane];
-        const int64_t at = static_cast<int64_t>(from) * kBlock + lane;
+        const float v = best_[m * width_ + lane];
+        const int64_t at = static_cast<int64_t>(from) * width_ + lane;
         if (index[m] < 0 || v > best[m] || (v == best[m] && at < index[m])) {
           best[m] = v;
           index[m] = at;
         }
       }
     }
+    return nan_lanes_ == 0;
+  }
+
+ private:
+  int64_t M_, width_;
+  std::vector<float> best_;
+  std::vector<int32_t> block_;
+  __mmask16 nan_lanes_ = 0;
+};
+
+// The argmax of M rows, each thread running compute(begin, end, argmax) over its share of `blocks` blocks of
+// `width` outputs: an int64 [M] tensor, or empty where x is not finite, a logit was NaN or a row saw only -inf.
+template <typename F>
+torch::Tensor rows_argmax(const torch::Tensor& x, const uint16_t* xs, int64_t M, int64_t K, int64_t blocks,
+                          int64_t width, F&& compute) {
+  auto none = torch::empty({0}, x.options().dtype(at::kLong));
+  for (int64_t i = 0; i < M * K; ++i) {
+    if ((xs[i] & 0x7F80) == 0x7F80) return none;  // inf or NaN
+  }
+  std::vector<float> best(M, -INFINITY);
+  std::vector<int64_t> index(M, -1);
+  std::atomic<bool> saw_nan{false};
+  std::mutex merge_lock;
+  quire::parallel_chunks(0, blocks, quire::chunk_size(blocks, 1, 4), [&](int64_t begin, int64_t end) {
+    LaneArgmax argmax(M, width);
+    compute(begin, end, argmax);
+    std::lock_guard<std::mutex> guard(merge_lock);
+    if (!argmax.merge_into(best, index)) saw_nan.store(true, std::memory_order_relaxed);
   });
   if (saw_nan.load()) return none;
   auto tokens = torch::empty({M}, x.options().dtype(at::kLong));
@@ -628,10 +636,75 @@ torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
     out[m] = index[m];
   }
   return tokens;
+}
+
+}  // namespace
+#endif  // QUIRE_ONEDNN_GEMV
+
+torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
+#ifdef QUIRE_ONEDNN_AMX
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_amx_argmax: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_amx_argmax: the weight must be packed by oneDNN");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "onednn_amx_argmax: x has ", K, " columns, the weight ", packed.size(1));
+  if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
+  const auto xc = x.contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, kBlock) / kBlock;
+  const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  const AmxRows rows(x, xs, M, K, 2 * P);
+  return rows_argmax(x, xs, M, K, blocks, kBlock, [&](int64_t begin, int64_t end, LaneArgmax& argmax) {
+    _tile_loadconfig(&quire::full_tile_config());
+    std::vector<uint16_t> logits(M * kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = std::min(kBlock, N - b * kBlock);
+      rows.groups(w, b, b + 1, nullptr, logits.data(), kBlock, n);
+      argmax.update(logits.data(), b, n);
+    }
+    _tile_release();
+  });
 #else
-  (void)x;
   (void)packed;
-  return none;
+  return torch::empty({0}, x.options().dtype(at::kLong));
+#endif
+}
+
+// The same on oneDNN's 64-output blocks (AVX-512 BF16 without AMX), 9 to onednn_wide_max_rows rows: each block
+// through onednn_wide_groups (onednn_gemv's runs of rows, the claim's next block brought into L2 by the later
+// runs), so the bits of onednn_gemv's logits.
+torch::Tensor onednn_wide_argmax(torch::Tensor x, torch::Tensor packed) {
+#ifdef QUIRE_ONEDNN_GEMV
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_wide_argmax: x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_wide_argmax: the weight must be packed by oneDNN");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "onednn_wide_argmax: x has ", K, " columns, the weight ", packed.size(1));
+  const int64_t width = 2 * kBlock;
+  if (M <= kGemvRows || M > quire::onednn_wide_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
+  const auto xc = x.contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, width) / width;
+  std::vector<uint32_t> padded;  // x as k-pairs, zero past K, as onednn_gemv reads it
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(xs);
+  if (2 * P != K || reinterpret_cast<uintptr_t>(xs) % alignof(uint32_t) != 0) {
+    padded.assign(M * P, 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * P], xs + m * K, K * 2);
+    pairs = padded.data();
+  }
+  const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  const int64_t groups = quire::round_up(N, kBlock) / kBlock;
+  return rows_argmax(x, xs, M, K, blocks, width, [&](int64_t begin, int64_t end, LaneArgmax& argmax) {
+    std::vector<uint16_t> logits(M * width);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = std::min(width, N - b * width);
+      // groups 2b and 2b + 1; the next block's groups are in range where this thread computes it next
+      quire::onednn_wide_groups(pairs, M, P, w, 2 * b, std::min(groups, 2 * std::min(b + 2, end)), nullptr,
+                                logits.data(), width, n);
+      argmax.update(logits.data(), b, n);
+    }
+  });
+#else
+  (void)packed;
+  return torch::empty({0}, x.options().dtype(at::kLong));
 #endif
 }
 
