@@ -30,6 +30,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -609,6 +610,14 @@ class LaneArgmax {
   __mmask16 nan_lanes_ = 0;
 };
 
+// M, K and N of an argmax call's x [M, K] (bfloat16) and oneDNN-packed weight [N, K], checked
+std::array<int64_t, 3> argmax_shape(const char* name, const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, name, ": the weight must be packed by oneDNN");
+  TORCH_CHECK(packed.size(1) == x.size(1), name, ": x has ", x.size(1), " columns, the weight ", packed.size(1));
+  return {x.size(0), x.size(1), packed.size(0)};
+}
+
 // The argmax of M rows, each thread running compute(begin, end, argmax) over its share of `blocks` blocks of
 // `width` outputs: an int64 [M] tensor, or empty where x is not finite, a logit was NaN or a row saw only -inf.
 template <typename F>
@@ -643,10 +652,8 @@ torch::Tensor rows_argmax(const torch::Tensor& x, const uint16_t* xs, int64_t M,
 
 torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
 #ifdef QUIRE_ONEDNN_AMX
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_amx_argmax: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_amx_argmax: the weight must be packed by oneDNN");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "onednn_amx_argmax: x has ", K, " columns, the weight ", packed.size(1));
+  const auto shape = argmax_shape("onednn_amx_argmax", x, packed);
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
   if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
@@ -674,10 +681,8 @@ torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
 // runs), so the bits of onednn_gemv's logits.
 torch::Tensor onednn_wide_argmax(torch::Tensor x, torch::Tensor packed) {
 #ifdef QUIRE_ONEDNN_GEMV
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "onednn_wide_argmax: x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2, "onednn_wide_argmax: the weight must be packed by oneDNN");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "onednn_wide_argmax: x has ", K, " columns, the weight ", packed.size(1));
+  const auto shape = argmax_shape("onednn_wide_argmax", x, packed);
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
   const int64_t width = 2 * kBlock;
   if (M <= kGemvRows || M > quire::onednn_wide_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
   const auto xc = x.contiguous();
