@@ -179,6 +179,17 @@ inline bool wide_rows(int64_t M) {
 }
 inline int64_t rows_per_pass(int64_t M) { return wide_rows(M) ? kWideRows : kGemvRows; }
 
+// M rows of x [M, K] as k-pairs (P per row), zero past K: x itself where K fills whole 32-wide groups and x is
+// 4-byte aligned, else a padded copy in `padded`
+inline const uint32_t* k_pairs(const uint16_t* xs, int64_t M, int64_t K, int64_t P, std::vector<uint32_t>& padded) {
+  if (2 * P == K && reinterpret_cast<uintptr_t>(xs) % alignof(uint32_t) == 0) {
+    return reinterpret_cast<const uint32_t*>(xs);
+  }
+  padded.assign(M * P, 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * P], xs + m * K, K * 2);
+  return padded.data();
+}
+
 // out[m][0:count] for M rows, a run of a call of `all_rows` (at most rows_per_pass(all_rows) of them), and
 // `count` (<= 64) outputs from group j on: a whole W = 64 block in one pass where the call takes them wide, else
 // group by group.
@@ -522,15 +533,8 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
     return out;
   }
 #endif
-  // x as k-pairs, zero past K: x itself where K fills whole 32-wide groups (rows of P pairs, 4-byte aligned),
-  // else a padded copy
   std::vector<uint32_t> padded;
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(xs);
-  if (2 * P != K || reinterpret_cast<uintptr_t>(xs) % alignof(uint32_t) != 0) {
-    padded.assign(M * P, 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * P], xs + m * K, K * 2);
-    pairs = padded.data();
-  }
+  const uint32_t* pairs = k_pairs(xs, M, K, P, padded);
   // work units: a block (W outputs) by a run of rows, block-major, so that each thread mostly reads its own
   // blocks from memory and the threads stay level where the blocks are few (576 outputs: 9 blocks)
   const int64_t unit = quire::onednn_gemv_block_groups(), block_units = (blocks + unit - 1) / unit;
@@ -654,7 +658,9 @@ torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed) {
 #ifdef QUIRE_ONEDNN_AMX
   const auto shape = argmax_shape("onednn_amx_argmax", x, packed);
   const int64_t M = shape[0], K = shape[1], N = shape[2];
-  if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
+  if (M <= kGemvRows || M > quire::onednn_amx_max_rows() || N == 0) {
+    return torch::empty({0}, x.options().dtype(at::kLong));
+  }
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, kBlock) / kBlock;
@@ -684,17 +690,14 @@ torch::Tensor onednn_wide_argmax(torch::Tensor x, torch::Tensor packed) {
   const auto shape = argmax_shape("onednn_wide_argmax", x, packed);
   const int64_t M = shape[0], K = shape[1], N = shape[2];
   const int64_t width = 2 * kBlock;
-  if (M <= kGemvRows || M > quire::onednn_wide_max_rows() || N == 0) return torch::empty({0}, x.options().dtype(at::kLong));
+  if (M <= kGemvRows || M > quire::onednn_wide_max_rows() || N == 0) {
+    return torch::empty({0}, x.options().dtype(at::kLong));
+  }
   const auto xc = x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t P = quire::round_up(K, kBlock) / 2, blocks = quire::round_up(N, width) / width;
-  std::vector<uint32_t> padded;  // x as k-pairs, zero past K, as onednn_gemv reads it
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(xs);
-  if (2 * P != K || reinterpret_cast<uintptr_t>(xs) % alignof(uint32_t) != 0) {
-    padded.assign(M * P, 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * P], xs + m * K, K * 2);
-    pairs = padded.data();
-  }
+  std::vector<uint32_t> padded;
+  const uint32_t* pairs = k_pairs(xs, M, K, P, padded);
   const auto* w = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
   const int64_t groups = quire::round_up(N, kBlock) / kBlock;
   return rows_argmax(x, xs, M, K, blocks, width, [&](int64_t begin, int64_t end, LaneArgmax& argmax) {
