@@ -223,6 +223,29 @@ void claim(std::atomic<int64_t>& counter, int64_t count, int64_t chunk, F&& run)
   }
 }
 
+// run(first, last, r0, rows) over groups [0, count) and rows [0, B), claimed as claim() does, `chunk` groups and
+// every row at a time, except that where the claims do not go evenly round the threads the last one is split by
+// rows into `threads` parts (each a run of rows as row_run gives it): at 32 rows SmolLM2-135M's qkv is 15 claims of
+// a 64-output block, its o_proj and down 9, and a thread that took one claim more kept the other waiting at the
+// barrier for it. Both parts read the block's whole weight, the second mostly from the shared L3.
+template <typename F>
+void claim_split_last(std::atomic<int64_t>& counter, int64_t count, int64_t chunk, int64_t B, int64_t threads,
+                      F&& run) {
+  const int64_t claims = (count + chunk - 1) / chunk;
+  const bool split = threads > 1 && claims % threads != 0 && B >= 2 * threads;
+  const int64_t items = split ? claims - 1 + threads : claims;
+  for (int64_t item = counter.fetch_add(1, std::memory_order_relaxed); item < items;
+       item = counter.fetch_add(1, std::memory_order_relaxed)) {
+    const int64_t claim = std::min(item, claims - 1), first = claim * chunk, last = std::min(count, first + chunk);
+    if (split && item >= claims - 1) {
+      const int64_t part = item - (claims - 1), base = B / threads, extra = B % threads;
+      run(first, last, part * base + std::min(part, extra), base + (part < extra ? 1 : 0));
+    } else {
+      run(first, last, int64_t{0}, B);
+    }
+  }
+}
+
 // Each layer's key and value halves of its bfloat16 cache [2, N, block, Hk, D], checked.
 void cache_halves(const std::vector<torch::Tensor>& kv_caches, int64_t block_size, int64_t num_slots, int64_t Hk,
                   int64_t D, std::vector<const uint16_t*>& keys, std::vector<const uint16_t*>& values) {
@@ -368,6 +391,24 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     }
   };
 
+
+  // qkv, o_proj and down: out[m][0:n] = the rows of `in` . weight w (+ bias), claims of `chunk` groups from the
+  // phase's counter; on onednn_gemv's runs of rows the last claim split by rows (claim_split_last)
+  auto project = [&](std::atomic<int64_t>& counter, int64_t groups, int64_t chunk, const uint32_t* in, int64_t P,
+                     const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t n) {
+    if (shared && !amx) {
+      claim_split_last(counter, groups, chunk, B, threads, [&](int64_t first, int64_t last, int64_t r0, int64_t rows) {
+        onednn_wide_groups(in + r0 * P, rows, P, w, first, last, bias != nullptr ? bias + first * 32 : nullptr,
+                           out + r0 * out_stride + first * 32, out_stride, n - first * 32);
+      });
+      return;
+    }
+    claim(counter, groups, chunk, [&](int64_t first, int64_t last) {
+      linear(in, P, w, first, last, bias != nullptr ? bias + first * 32 : nullptr, out + first * 32, out_stride,
+             n - first * 32);
+    });
+  };
+
 #pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
@@ -411,11 +452,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       }
       // qkv
       const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
-      claim(counter[0], qkv_blocks, qkv_chunk, [&](int64_t first, int64_t last) {
-        linear(x_pairs, P_hidden, weights[l * 4 + 0], first, last,
-               qkv_bias != nullptr ? qkv_bias + first * 32 : nullptr, qkv.data() + first * 32, qkv_n,
-               qkv_n - first * 32);
-      });
+      project(counter[0], qkv_blocks, qkv_chunk, x_pairs, P_hidden, weights[l * 4 + 0], qkv_bias, qkv.data(), qkv_n,
+              qkv_n);
 #pragma omp barrier
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
       uint16_t* attention_out = as_bf16(attention_pairs);
@@ -473,10 +511,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
-      claim(counter[2], hidden_blocks, hidden_chunk, [&](int64_t first, int64_t last) {
-        linear(attention_pairs.data(), P_q, weights[l * 4 + 1], first, last,
-               o_bias != nullptr ? o_bias + first * 32 : nullptr, projected.data() + first * 32, Hd, Hd - first * 32);
-      });
+      project(counter[2], hidden_blocks, hidden_chunk, attention_pairs.data(), P_q, weights[l * 4 + 1], o_bias,
+              projected.data(), Hd, Hd);
 #pragma omp barrier
       // post-attention norm
       norm_rows(counter[6], [&](int64_t m) {
@@ -502,10 +538,8 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       });
 #pragma omp barrier
       // down
-      claim(counter[4], hidden_blocks, hidden_chunk, [&](int64_t first, int64_t last) {
-        linear(act_pairs.data(), P_inter, weights[l * 4 + 3], first, last, nullptr, down.data() + first * 32, Hd,
-               Hd - first * 32);
-      });
+      project(counter[4], hidden_blocks, hidden_chunk, act_pairs.data(), P_inter, weights[l * 4 + 3], nullptr,
+              down.data(), Hd, Hd);
 #pragma omp barrier
     }
     // the final norm: thread 0 alone, or with shared rows a share of the rows each
