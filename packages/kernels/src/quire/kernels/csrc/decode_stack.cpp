@@ -391,7 +391,6 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     }
   };
 
-
   // qkv, o_proj and down: out[m][0:n] = the rows of `in` . weight w (+ bias), claims of `chunk` groups from the
   // phase's counter; on onednn_gemv's runs of rows the last claim split by rows (claim_split_last)
   auto project = [&](std::atomic<int64_t>& counter, int64_t groups, int64_t chunk, const uint32_t* in, int64_t P,

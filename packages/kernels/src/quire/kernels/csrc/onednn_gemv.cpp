@@ -120,7 +120,7 @@ struct Ahead {
 // steps whatever M and G, so the bits are the same; `ahead` is brought into L2 on the way, a few lines with each of
 // the first k-pairs, and the loop over the others asks for nothing else.
 // NOTE: the look-ahead in the steady loop (a bounded inner loop on every k-pair) and the block width tested on
-// every k-pair cost a sixth of the rate: one Zen 4 core, 32 rows in runs of 6 and 5 over 64-output blocks, K = 576,
+// every k-pair cost 10-15% of the rate: one Zen 4 core, 32 rows in runs of 6 and 5 over 64-output blocks, K = 576,
 // weights streamed from memory: 187-192 -> 207-214 GFLOP/s (16 rows 176 -> 207, 64 rows 209 -> 221); with the
 // weight in L2 205-209 -> 231, which is vdpbf16ps at one a cycle.
 template <int M, int G, bool kFar>
