@@ -21,6 +21,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "parallel.h"
 
 namespace quire {
 
@@ -225,7 +226,7 @@ void claim(std::atomic<int64_t>& counter, int64_t count, int64_t chunk, F&& run)
 
 // run(first, last, r0, rows) over groups [0, count) and rows [0, B), claimed as claim() does, `chunk` groups and
 // every row at a time, except that where the claims do not go evenly round the threads the last one is split by
-// rows into `threads` parts (each a run of rows as row_run gives it): at 32 rows SmolLM2-135M's qkv is 15 claims of
+// rows into `threads` parts (quire::row_run's runs of rows): at 32 rows SmolLM2-135M's qkv is 15 claims of
 // a 64-output block, its o_proj and down 9, and a thread that took one claim more kept the other waiting at the
 // barrier for it. Both parts read the block's whole weight, the second mostly from the shared L3.
 template <typename F>
@@ -238,8 +239,8 @@ void claim_split_last(std::atomic<int64_t>& counter, int64_t count, int64_t chun
        item = counter.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t claim = std::min(item, claims - 1), first = claim * chunk, last = std::min(count, first + chunk);
     if (split && item >= claims - 1) {
-      const int64_t part = item - (claims - 1), base = B / threads, extra = B % threads;
-      run(first, last, part * base + std::min(part, extra), base + (part < extra ? 1 : 0));
+      const auto [r0, rows] = quire::row_run(B, threads, item - (claims - 1));
+      run(first, last, r0, rows);
     } else {
       run(first, last, int64_t{0}, B);
     }

@@ -182,12 +182,6 @@ constexpr int64_t kWideRows = 6;
 constexpr GemvFn kGemvWide[kWideRows] = {gemv_block<1, 2>, gemv_block<2, 2>, gemv_block<3, 2>,
                                          gemv_block<4, 2>, gemv_block<5, 2>, gemv_block<6, 2>};
 
-// Rows split into `groups` runs of nearly equal length: where run i starts, and its length.
-inline std::pair<int64_t, int64_t> row_run(int64_t M, int64_t groups, int64_t i) {
-  const int64_t base = M / groups, extra = M % groups;
-  return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
-}
-
 // Whether a call of M rows takes whole 64-output blocks (up to kWideRows rows a pass) rather than 32-output
 // halves (up to kGemvRows a pass). 5 to 8 rows keep the halves: one pass of all the rows over each half was
 // faster at 8 rows than wide passes of 6 and 2 rows (SmolLM2-135M's LM head: 1.7 against 2.1 ms).
@@ -223,14 +217,14 @@ void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w,
   }
 }
 
-// Run `run` of `runs` (rows split by row_run) of a call of M rows, over block unit b (a W-output block: groups b
+// Run `run` of `runs` (rows split by quire::row_run) of a call of M rows, over block unit b (a W-output block: groups b
 // and b + 1 where W = 64): `count` outputs to out and bias (offset to the unit's output 0 of row 0, bias null or
 // offset likewise). Runs after the first bring the next block into the L2 cache, a share each, where `next` (the
 // same thread reads it next): its first run then finds the weight there instead of waiting for memory.
 inline void gemv_unit(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t b, int64_t run,
                       int64_t runs, bool next, uint16_t* out, int64_t out_stride, const uint16_t* bias,
                       int64_t count) {
-  const auto [r0, rows] = row_run(M, runs, run);
+  const auto [r0, rows] = quire::row_run(M, runs, run);
   Ahead ahead;
   if (run > 0 && next) {
     const int64_t block_bytes = P * 2 * block_width() * 2, share = (block_bytes + runs - 2) / (runs - 1);

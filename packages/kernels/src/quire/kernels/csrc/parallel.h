@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -59,6 +60,13 @@ void parallel_chunks(int64_t begin, int64_t end, int64_t chunk, const F& f) {
   }
 #endif
   f(begin, end);
+}
+
+// `count` indices split into `parts` runs of nearly equal length (the longer ones first): where run i starts, and
+// its length.
+inline std::pair<int64_t, int64_t> row_run(int64_t count, int64_t parts, int64_t i) {
+  const int64_t base = count / parts, extra = count % parts;
+  return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
 }
 
 // A chunk size that splits `count` indices into about `per_thread` chunks for each thread, and none
