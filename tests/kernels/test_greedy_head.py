@@ -1,7 +1,7 @@
 """The screened greedy LM head names exactly the full head's argmax (the bfloat16 logits of the head's own path:
 ``onednn_gemv`` with AVX-512, ``linear_bf16`` on AVX2; first index on a tie), or declines. With AMX tiles or oneDNN's
-64-output blocks, rows past the screen's 8 take ``onednn_amx_argmax`` or ``onednn_wide_argmax`` (the full head's
-logits, never written), which must name the same tokens."""
+64-output blocks, rows past the screen's 8 (its 2 on 64-output blocks) take ``onednn_amx_argmax`` or
+``onednn_wide_argmax`` (the full head's logits, never written), which must name the same tokens."""
 
 from __future__ import annotations
 
@@ -128,6 +128,28 @@ def test_rows_past_the_screen_get_the_full_heads_argmax(num_outputs, width, rows
         tokens = head(x)
         assert tokens is not None and tokens.dtype == torch.int64
         assert torch.equal(tokens, full_argmax(packed, x))
+
+
+@pytest.mark.skipif("onednn" not in PATHS or not KERNELS.onednn_wide_max_rows(),
+                    reason="the fused head for a few rows needs oneDNN's 64-output blocks (AVX-512 BF16 without AMX)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_a_few_rows_on_64_output_blocks_get_the_full_heads_argmax(rows):
+    # where oneDNN packs 64-output blocks the fused head also takes 1 to 8 rows (from 3 rows in place of the
+    # screen): runs of 1-4 rows on whole blocks, 5-8 on 32-output halves, as onednn_gemv computes them
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2051, 96, generator=generator) * 0.05).bfloat16()
+    packed, head = head_of(weight, "onednn")
+    for scale in (0.1, 30.0):
+        x = (torch.randn(rows, 96, generator=generator) * scale).bfloat16()
+        assert torch.equal(KERNELS.onednn_wide_argmax(x, packed.packed), full_argmax(packed, x))
+        tokens = head(x)
+        assert tokens is not None and torch.equal(tokens, full_argmax(packed, x))
+    # a tie in a row of a few: the first index
+    winners = argmax(x.float() @ weight.float().T)
+    weight[2050] = weight[winners[0]]
+    weight[3] = weight[winners[0]]
+    packed, head = head_of(weight, "onednn")
+    assert int(KERNELS.onednn_wide_argmax(x, packed.packed)[0]) == 3
 
 
 @fused_only

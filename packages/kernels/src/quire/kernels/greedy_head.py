@@ -14,8 +14,10 @@ computes the full logits.
 With AMX tiles, steps of 9 to 128 rows (past the screen's vdpbf16ps rows) take ``onednn_amx_argmax``
 instead: the full head on ``onednn_gemv``'s own tiles, each row's argmax kept as the blocks are computed and
 the logits never written (the bits of ``onednn_gemv``'s logits, so the same token). Where oneDNN packs 64-output
-blocks (AVX-512 BF16 without AMX), steps of 9 to 64 rows take ``onednn_wide_argmax``: the same on
-``onednn_gemv``'s runs of rows.
+blocks (AVX-512 BF16 without AMX), steps of 3 to 64 rows take ``onednn_wide_argmax``: the same on
+``onednn_gemv``'s runs of rows. There the screen's int16 dot products cost more than the full head from 3 rows
+(SmolLM2-135M's head on two Zen 4 cores: 1 row 1.26 against 1.41 ms for the logits and their argmax, 2 rows 1.52
+against 1.62, 3 rows 1.78 against 1.27, 8 rows 3.10 against 1.38): it takes only 1 and 2 rows.
 
 On AVX2 CPUs without oneDNN's bfloat16 path the head is a ``KernelLinear`` (``csrc/linear_bf16.cpp``), and
 ``greedy_head_tokens_bf16`` screens it the same way (int16 dot products with ``vpmaddwd``), for up to
@@ -30,6 +32,7 @@ import torch
 from quire.kernels.linear import KernelLinear, OneDNNLinear
 
 MAX_ROWS = 8  # onednn_gemv's vdpbf16ps rows: the exact blocks are computed as it computes them
+WIDE_SCREEN_ROWS = 2  # the screen's rows where oneDNN packs 64-output blocks (onednn_wide_argmax from 3)
 KERNEL_MAX_ROWS = 64  # linear_bf16's tile rows (from 128 rows it runs a float32 GEMM)
 _ROWS_PER_PIECE = 4096  # quantized a piece at a time, to bound the float64 copies' memory
 
@@ -41,6 +44,7 @@ class GreedyHead:
 
     def __init__(self, head: OneDNNLinear | KernelLinear, kernels):
         self._wide = None  # more rows than the screen takes: the full head's argmax on AMX tiles, fused
+        self._screen_rows = MAX_ROWS
         if isinstance(head, OneDNNLinear):
             self._head = head.packed
             self._tokens = kernels.greedy_head_tokens
@@ -52,6 +56,7 @@ class GreedyHead:
                 self.max_rows = amx_rows
             elif wide_rows > MAX_ROWS:
                 self._wide = kernels.onednn_wide_argmax
+                self._screen_rows = WIDE_SCREEN_ROWS
                 self.max_rows = wide_rows
             dense = head.packed.to_dense()
         else:
@@ -80,7 +85,7 @@ class GreedyHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if hidden.dim() != 2 or not 0 < hidden.shape[0] <= self.max_rows or hidden.dtype != torch.bfloat16:
             return None
-        if self._wide is not None and hidden.shape[0] > MAX_ROWS:
+        if self._wide is not None and hidden.shape[0] > self._screen_rows:
             tokens = self._wide(hidden, self._head)
         else:
             tokens = self._tokens(hidden, self._head, self.q, self.scale, self.bound)

@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("onednn_amx_argmax", &onednn_amx_argmax,
         "each row's argmax of onednn_gemv(x, packed) on AMX tiles for 9 to onednn_amx_max_rows() rows (empty: declined)");
   m.def("onednn_wide_argmax", &onednn_wide_argmax,
-        "each row's argmax of onednn_gemv(x, packed) on oneDNN's 64-output blocks for 9 to onednn_wide_max_rows() rows "
+        "each row's argmax of onednn_gemv(x, packed) on oneDNN's 64-output blocks for 1 to onednn_wide_max_rows() rows "
         "(empty: declined)");
   m.def("greedy_head_supported", &greedy_head_supported, "whether greedy_head_tokens exists in this build");
   m.def("greedy_head_tokens", &greedy_head_tokens,

@@ -44,8 +44,9 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<t
 // The argmax of x @ packed.T (onednn_gemv's logits) for up to 8 rows, screened with an int8 copy (onednn_gemv.cpp);
 // empty where it declines.
 bool greedy_head_supported();
-// The argmax of onednn_gemv's logits for 9 to onednn_amx_max_rows() rows on AMX tiles, without writing them;
-// empty where it declines (other rows, x not finite, a NaN logit).
+// The argmax of onednn_gemv's logits for 9 to onednn_amx_max_rows() rows on AMX tiles, or for 1 to
+// onednn_wide_max_rows() rows on oneDNN's 64-output blocks, without writing them; empty where it declines (other
+// rows, x not finite, a NaN logit).
 torch::Tensor onednn_amx_argmax(torch::Tensor x, torch::Tensor packed);
 torch::Tensor onednn_wide_argmax(torch::Tensor x, torch::Tensor packed);
 torch::Tensor greedy_head_tokens(torch::Tensor x, torch::Tensor packed, torch::Tensor q, torch::Tensor scale,
