@@ -43,7 +43,7 @@ class GreedyHead:
     linear_bf16's (``KernelLinear``)."""
 
     def __init__(self, head: OneDNNLinear | KernelLinear, kernels):
-        self._wide = None  # more rows than the screen takes: the full head's argmax on AMX tiles, fused
+        self._wide = None  # more rows than the screen takes: the full head's argmax, fused (AMX or 64-wide blocks)
         self._screen_rows = MAX_ROWS
         if isinstance(head, OneDNNLinear):
             self._head = head.packed
