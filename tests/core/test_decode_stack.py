@@ -113,7 +113,8 @@ def test_one_region_steps_of_many_rows_equal_modules_bit_for_bit(tmp_path_factor
                                                                    corpus_token_ids, arch):
     """Steps of 9 to 64 rows run as one parallel region, with the modules' bits: on AMX tiles (rows padded to 16:
     one 16-row pass, a padded 32-row one, whole 32-row passes with a 16-row or 32-row tail, whole passes alone), or
-    on oneDNN's 64-output blocks in runs of up to 6 rows (runs of 5 and 4 rows at 9, 4 runs at 20, 7-11 runs)."""
+    on oneDNN's 64-output blocks in runs of up to 6 rows (runs of 5 and 4 rows at 9, 4 runs at 20, 7-11 runs),
+    from 16 rows each of the two threads with its own rows through every layer (split rows)."""
     import dataclasses
 
     from quire.core.testing.checkpoints import build_checkpoint
@@ -121,9 +122,14 @@ def test_one_region_steps_of_many_rows_equal_modules_bit_for_bit(tmp_path_factor
 
     spec = dataclasses.replace(checkpoint_specs()[arch], head_dim=32, num_hidden_layers=2)
     folder = build_checkpoint(tmp_path_factory.mktemp(f"one-region-tiles-{arch}"), spec, tiny_tokenizer)
-    llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=64)
+    # two threads: on 64-output blocks, steps of 16 rows or more split their rows between them
+    llm = LLM(folder, dtype="bfloat16", max_model_len=256, max_num_seqs=64, num_threads=2)
+    stack = model_of(llm).decode_stack
+    split_before = stack.split_steps
     steps = assert_stack_equals_modules(llm, corpus_token_ids, batch_sizes=(9, 20, 40, 50, 64))
     assert steps >= 5 * (NEW_TOKENS - 1)  # every decode step of every run
+    if cpu_extension_kernels().onednn_amx_max_rows() == 0:  # 64-output blocks: 20-64 rows split (prompts of
+        assert stack.split_steps - split_before >= 4 * (NEW_TOKENS - 1)  # 1-60 tokens: uneven runs of rows)
 
 
 @pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "

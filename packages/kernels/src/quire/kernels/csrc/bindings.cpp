@@ -34,7 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("one_region_max_rows", &quire::DecodeStack::one_region_max_rows,
                              "the most rows a step runs as one parallel region (0: this stack never does)")
       .def_property_readonly("one_region_steps", &quire::DecodeStack::one_region_steps,
-                             "how many steps have run as one parallel region");
+                             "how many steps have run as one parallel region")
+      .def_property_readonly("split_steps", &quire::DecodeStack::split_steps,
+                             "how many of those steps split their rows between the threads");
   m.def("quant_linear", &quant_linear, "x @ w.T + bias, w in a GGUF block format or INT8, accumulated in float32");
   m.def("quant_dequantize", &quant_dequantize, "float32 rows of a quantized weight");
   m.def("quant_isa", &quant_isa, "the instruction set the quantized-weight kernels use for a request");

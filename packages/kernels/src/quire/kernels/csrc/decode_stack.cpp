@@ -199,7 +199,8 @@ DecodeStack::DecodeStack(const std::vector<std::vector<std::optional<torch::Tens
 // blocks (I/32 further on), then their SiLU-and-multiply straight into the down projection's input.
 // Every value is computed by the same compiled functions as on the path above (rms_norm_row, rotate_head,
 // silu_mul_span, onednn_gemv_block, onednn_wide_groups or onednn_amx_groups, paged_decode_bf16_item), so the
-// results are the same bits.
+// results are the same bits. From 16 rows on two threads (oneDNN's 64-output blocks), each thread instead takes
+// its own run of rows through every layer without barriers (split rows, below).
 
 namespace {
 
@@ -335,6 +336,27 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
   // a row's KV heads together where there are rows enough to go round (as paged_decode takes them: the heads of
   // a token share its cache lines, which the hardware then brings into one core's cache for all of them)
   const int64_t heads_chunk = B >= 4 * threads ? Hk : 1;
+  // Split rows (on oneDNN's 64-output blocks, two threads, at least kSplitMinRows rows a thread, no row reading
+  // another's new key): each thread takes a run of the rows through every layer on its own, every projection
+  // whole, with no barrier until the end. Its attention, which waits on memory, then overlaps the other thread's
+  // products, and the weight the first thread brings in is in the shared L3 when the second reads it.
+  const bool split = shared && !amx && !chained && threads == kSplitThreads && B >= kSplitMinRows * threads;
+  std::vector<int64_t> bounds(threads + 1, B);
+  bounds[0] = 0;
+  if (split) {
+    // runs of rows of about equal cost: a row's multiply-adds in the projections, and those of its attention
+    // (two per query head and dim, for each cached token) at kAttentionCost times theirs: on memory's pace, a
+    // multiply-add there took about six times as long (Zen 4, SmolLM2-135M's 32-row steps)
+    constexpr int64_t kAttentionCost = 6;
+    const int64_t row_cost = Hd * (qkv_n + 2 * I) + (q_size + I) * Hd, token_cost = kAttentionCost * 2 * H * D;
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) total += row_cost + token_cost * length_of[b];
+    int64_t so_far = 0;
+    for (int64_t b = 0, t = 1; b < B && t < threads; ++b) {
+      so_far += row_cost + token_cost * length_of[b];
+      while (t < threads && so_far * threads >= total * t) bounds[t++] = b + 1;
+    }
+  }
   std::vector<ThreadBuffers> buffers(threads);
   for (auto& t : buffers) {
     if (!shared) {
@@ -346,7 +368,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
     t.query.resize(group * D);
     t.head.resize(D);
     t.attention.resize(group * D);
-    t.gate_up.resize(B * 64 * inter_chunk);
+    t.gate_up.resize(B * 64 * (split ? inter_blocks : inter_chunk));
     t.scratch.key_rows.reserve(longest);
     t.scratch.value_rows.reserve(longest);
     t.scratch.probs.reserve(group * longest);
@@ -412,17 +434,24 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
-    ThreadBuffers& mine = buffers[omp_get_thread_num()];
+    const int me = omp_get_thread_num(), team = omp_get_num_threads();
 #else
-    ThreadBuffers& mine = buffers[0];
+    const int me = 0, team = 1;
 #endif
+    ThreadBuffers& mine = buffers[me];
+    // split: this thread's own rows, [my_first, my_last), through every layer (the runs of `threads` shared out
+    // among the team, should OpenMP have started fewer)
+    const int64_t my_first = bounds[me * threads / team], my_last = bounds[(me + 1) * threads / team];
+    const int64_t my_rows = my_last - my_first;
     uint32_t* x_pairs = shared ? shared_x.data() : mine.x.data();
     uint16_t* x = reinterpret_cast<uint16_t*>(x_pairs);
     uint16_t* residual_out[2] = {shared ? shared_residual[0].data() : mine.residual[0].data(),
                                  shared ? shared_residual[1].data() : mine.residual[1].data()};
     // norm(m) for each row: every thread all of them (its own copy), or with shared rows a share of them
     auto norm_rows = [&](std::atomic<int64_t>& counter, auto&& norm) {
-      if (shared) {
+      if (split) {
+        for (int64_t m = my_first; m < my_last; ++m) norm(m);
+      } else if (shared) {
         claim(counter, B, row_chunk, each(norm));
       } else {
         for (int64_t m = 0; m < B; ++m) norm(m);
@@ -443,7 +472,7 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
                                  x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
         }
       });
-      if (shared) {
+      if (shared && !split) {
 #pragma omp barrier
       }
       if (l > 0) {
@@ -452,9 +481,14 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
       }
       // qkv
       const uint16_t* qkv_bias = bf16_data(layer.qkv_bias);
-      project(counter[0], qkv_blocks, qkv_chunk, x_pairs, P_hidden, weights[l * 4 + 0], qkv_bias, qkv.data(), qkv_n,
-              qkv_n);
+      if (split) {
+        onednn_wide_groups(x_pairs + my_first * P_hidden, my_rows, P_hidden, weights[l * 4 + 0], 0, qkv_blocks,
+                           qkv_bias, qkv.data() + my_first * qkv_n, qkv_n, qkv_n);
+      } else {
+        project(counter[0], qkv_blocks, qkv_chunk, x_pairs, P_hidden, weights[l * 4 + 0], qkv_bias, qkv.data(),
+                qkv_n, qkv_n);
 #pragma omp barrier
+      }
       // per row and KV head: q/k norms, rotation, the new key and value into the cache, attention
       uint16_t* attention_out = as_bf16(attention_pairs);
       // a row's KV head: q/k norms, rotation, the new key and value into the cache; its group of rotated query
@@ -491,7 +525,14 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
         uint16_t* dst = attention_out + m * 2 * P_q + kv * group * D;
         for (int64_t i = 0; i < group * D; ++i) dst[i] = float_to_bf16_as_torch(mine.attention[i]);
       };
-      if (chained) {  // every row's cache writes (and rotated queries), then every row's attention
+      if (split) {
+        for (int64_t m = my_first; m < my_last; ++m) {
+          for (int64_t kv = 0; kv < Hk; ++kv) {
+            prepare_head(m, kv, mine.query.data());
+            attend(m, kv, mine.query.data());
+          }
+        }
+      } else if (chained) {  // every row's cache writes (and rotated queries), then every row's attention
         claim(counter[1], B * Hk, heads_chunk, each([&](int64_t item) {
           const int64_t m = item / Hk, kv = item % Hk;
           prepare_head(m, kv, queries.data() + m * q_size + kv * group * D);
@@ -508,24 +549,43 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
           attend(m, kv, mine.query.data());
         }));
       }
-#pragma omp barrier
       // o_proj
       const uint16_t* o_bias = bf16_data(layer.o_bias);
-      project(counter[2], hidden_blocks, hidden_chunk, attention_pairs.data(), P_q, weights[l * 4 + 1], o_bias,
-              projected.data(), Hd, Hd);
+      if (split) {
+        onednn_wide_groups(attention_pairs.data() + my_first * P_q, my_rows, P_q, weights[l * 4 + 1], 0,
+                           hidden_blocks, o_bias, projected.data() + my_first * Hd, Hd, Hd);
+      } else {
 #pragma omp barrier
+        project(counter[2], hidden_blocks, hidden_chunk, attention_pairs.data(), P_q, weights[l * 4 + 1], o_bias,
+                projected.data(), Hd, Hd);
+#pragma omp barrier
+      }
       // post-attention norm
       norm_rows(counter[6], [&](int64_t m) {
         rms_norm_row<uint16_t>(projected.data() + m * Hd, residual + m * Hd, bf16_data(layer.post_norm),
                                x + m * 2 * P_hidden, residual_out[flip] + m * Hd, Hd, eps, mine.summed.data());
       });
-      if (shared) {
+      if (shared && !split) {
 #pragma omp barrier
       }
       residual = residual_out[flip];
       flip ^= 1;
       // gate/up and SiLU, a claimed run of gate blocks, then the same run of up blocks (two long streams)
       uint16_t* act = as_bf16(act_pairs);
+      if (split) {
+        // all of gate, then all of up (two long streams; shorter runs of blocks were slower here)
+        uint16_t* gate = mine.gate_up.data();
+        uint16_t* up = gate + my_rows * I;
+        const uint32_t* in = x_pairs + my_first * P_hidden;
+        onednn_wide_groups(in, my_rows, P_hidden, weights[l * 4 + 2], 0, inter_blocks, nullptr, gate, I, I);
+        onednn_wide_groups(in, my_rows, P_hidden, weights[l * 4 + 2], inter_blocks, 2 * inter_blocks, nullptr, up, I,
+                           I);
+        for (int64_t m = 0; m < my_rows; ++m)
+          silu_mul_span<uint16_t>(gate + m * I, up + m * I, act + (my_first + m) * I, I);
+        onednn_wide_groups(act_pairs.data() + my_first * P_inter, my_rows, P_inter, weights[l * 4 + 3], 0,
+                           hidden_blocks, nullptr, down.data() + my_first * Hd, Hd, Hd);
+        continue;
+      }
       claim(counter[3], inter_blocks, inter_chunk, [&](int64_t first, int64_t last) {
         const int64_t width = (last - first) * 32;
         uint16_t* gate = mine.gate_up.data();
@@ -552,13 +612,16 @@ torch::Tensor DecodeStack::forward_one_region(const torch::Tensor& hidden, const
 #ifdef _OPENMP
     lead = omp_get_thread_num() == 0;
 #endif
-    if (shared) {
+    if (split) {
+      for (int64_t m = my_first; m < my_last; ++m) final_norm(m);
+    } else if (shared) {
       claim(counters[num_layers * kPhases], B, row_chunk, each(final_norm));
     } else if (lead) {
       for (int64_t m = 0; m < B; ++m) final_norm(m);
     }
   }
   one_region_steps_.fetch_add(1, std::memory_order_relaxed);
+  if (split) split_steps_.fetch_add(1, std::memory_order_relaxed);
   return out;
 }
 
