@@ -128,8 +128,9 @@ def test_one_region_steps_of_many_rows_equal_modules_bit_for_bit(tmp_path_factor
     split_before = stack.split_steps
     steps = assert_stack_equals_modules(llm, corpus_token_ids, batch_sizes=(9, 20, 40, 50, 64))
     assert steps >= 5 * (NEW_TOKENS - 1)  # every decode step of every run
-    if cpu_extension_kernels().onednn_amx_max_rows() == 0:  # 64-output blocks: 20-64 rows split (prompts of
-        assert stack.split_steps - split_before >= 4 * (NEW_TOKENS - 1)  # 1-60 tokens: uneven runs of rows)
+    if cpu_extension_kernels().onednn_amx_max_rows() == 0:
+        # 64-output blocks: every step of 20-64 rows split them (prompts of 1-60 tokens: uneven runs of rows)
+        assert stack.split_steps - split_before >= 4 * (NEW_TOKENS - 1)
 
 
 @pytest.mark.skipif(not one_region_possible(), reason="one-region decode steps need AVX-512 BF16 (onednn_gemv) "
