@@ -101,14 +101,25 @@ void onednn_amx_groups(const uint16_t* x, int64_t rows, int64_t Kp, const uint16
 // (`P` per row, zero past K); `count` outputs from group `first` on (bias offset to them, or null) to out (row
 // stride out_stride). Each row gets the bits onednn_gemv gives it.
 int64_t onednn_wide_max_rows();
+// Equal-sized pieces of memory (`slab_lines` cache lines each) that onednn_wide_groups brings into the cache on the
+// way, `per_unit` pieces with the first run of each block, from `next` on (the decode stack's split rows: the next
+// layer's cached keys and values of a thread's rows, asked for while the products, which do not wait on memory,
+// run).
+struct SlabQueue {
+  const char* const* slabs = nullptr;
+  int64_t count = 0, next = 0, per_unit = 0, slab_lines = 0;
+};
 void onednn_wide_groups(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t first,
-                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count);
+                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count,
+                        SlabQueue* queue = nullptr);
 // paged_decode's bfloat16 kernel for one request and KV head (paged_decode.cpp): the `group` query heads that
 // share it (query: group x head_dim bfloat16, rotated), over `length` cached tokens in `blocks`; float32
 // output [group, head_dim]. False in a build without AVX-512 BF16 (or head_dim not a multiple of 32).
 struct AttentionScratch {
   std::vector<const uint16_t*> key_rows, value_rows;
   std::vector<float> probs, totals;
+  std::vector<uint32_t> pairs;  // probabilities as bfloat16, two tokens a dword
+  std::vector<uint16_t> zeros;  // a zero row (after an odd count of value rows)
 };
 bool paged_decode_item_available(int64_t head_dim);
 // paged_decode's general path (AVX2 tiles, or portable code) for one request's KV heads [first_kv, last_kv) of a bfloat16 cache: `query` holds

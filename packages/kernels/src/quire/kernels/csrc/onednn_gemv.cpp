@@ -112,6 +112,21 @@ inline void store16(uint16_t* out, __m512 sum, const uint16_t* bias, int64_t cou
 struct Ahead {
   const char* data = nullptr;
   int64_t bytes = 0;
+  // or, where slabs is set, bytes / 64 lines of the slabs in turn, slab_lines each (data: the next line of the
+  // current one, left: its lines still to come)
+  const char* const* slabs = nullptr;
+  int64_t slab_lines = 0, left = 0;
+  // the next line (each call moves on by one)
+  const char* next_line() {
+    if (slabs != nullptr && left == 0) {
+      data = *slabs++;
+      left = slab_lines;
+    }
+    --left;
+    const char* line = data;
+    data += 64;
+    return line;
+  }
 };
 
 // out[m][0:count] = pairs[m] . G groups side by side (G = 2: a whole block of W = 64, each k-pair row read in one
@@ -148,10 +163,10 @@ void gemv_pass(const uint32_t* pairs, int64_t P, const uint16_t* block, uint16_t
   const int64_t lines = ahead.bytes / 64, per_pair = (lines + P - 1) / P, with = per_pair > 0 ? lines / per_pair : 0;
   int64_t p = 0;
   for (; p < with; ++p) {
-    for (int64_t i = 0; i < per_pair; ++i) _mm_prefetch(ahead.data + 64 * (p * per_pair + i), _MM_HINT_T1);
+    for (int64_t i = 0; i < per_pair; ++i) _mm_prefetch(ahead.next_line(), _MM_HINT_T1);
     pair(p);
   }
-  for (int64_t l = with * per_pair; l < lines; ++l) _mm_prefetch(ahead.data + 64 * l, _MM_HINT_T1);
+  for (int64_t l = with * per_pair; l < lines; ++l) _mm_prefetch(ahead.next_line(), _MM_HINT_T1);
   for (; p < P; ++p) pair(p);
   for (int m = 0; m < M; ++m) {
     for (int v = 0; v < V && 16 * v < count; ++v) {
@@ -223,10 +238,16 @@ void gemv_groups(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w,
 // same thread reads it next): its first run then finds the weight there instead of waiting for memory.
 inline void gemv_unit(const uint32_t* pairs, int64_t M, int64_t P, const uint16_t* w, int64_t b, int64_t run,
                       int64_t runs, bool next, uint16_t* out, int64_t out_stride, const uint16_t* bias,
-                      int64_t count) {
+                      int64_t count, quire::SlabQueue* queue = nullptr) {
   const auto [r0, rows] = quire::row_run(M, runs, run);
   Ahead ahead;
-  if (run > 0 && next) {
+  if (run == 0 && queue != nullptr && queue->next < queue->count) {
+    const int64_t take = std::min(queue->per_unit, queue->count - queue->next);
+    ahead.slabs = queue->slabs + queue->next;
+    ahead.slab_lines = queue->slab_lines;
+    ahead.bytes = take * queue->slab_lines * 64;
+    queue->next += take;
+  } else if (run > 0 && next) {
     const int64_t block_bytes = P * 2 * block_width() * 2, share = (block_bytes + runs - 2) / (runs - 1);
     const char* later = reinterpret_cast<const char*>(group_data(w, b + block_width() / kBlock, P));
     const int64_t from = (run - 1) * share;
@@ -476,7 +497,8 @@ int64_t onednn_wide_max_rows() {
 }
 
 void onednn_wide_groups(const uint32_t* pairs, int64_t rows, int64_t P, const uint16_t* packed_data, int64_t first,
-                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count) {
+                        int64_t last, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t count,
+                        SlabQueue* queue) {
 #ifdef QUIRE_ONEDNN_GEMV
   const int64_t unit = onednn_gemv_block_groups(), per_pass = rows_per_pass(rows);
   const int64_t runs = (rows + per_pass - 1) / per_pass;
@@ -485,12 +507,12 @@ void onednn_wide_groups(const uint32_t* pairs, int64_t rows, int64_t P, const ui
     if (c0 >= count) break;
     for (int64_t run = 0; run < runs; ++run) {
       gemv_unit(pairs, rows, P, packed_data, b, run, runs, b + unit < last, out + c0, out_stride,
-                bias != nullptr ? bias + c0 : nullptr, std::min(unit * kBlock, count - c0));
+                bias != nullptr ? bias + c0 : nullptr, std::min(unit * kBlock, count - c0), queue);
     }
   }
 #else
   (void)pairs, (void)rows, (void)P, (void)packed_data, (void)first, (void)last, (void)bias, (void)out,
-      (void)out_stride, (void)count;
+      (void)out_stride, (void)count, (void)queue;
   TORCH_CHECK(false, "onednn_wide_groups: this build has no AVX-512 BF16");
 #endif
 }

@@ -340,32 +340,68 @@ inline __m512 sum_lanes16(__m512 v[kTile]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-// acc[r][c] += p[r][t] * value[t][c*16 : c*16+16] for R query heads over one 32-wide slice of head_dim.
+// Scores of one query head (C chunks of 32, bfloat16) against sixteen tokens (keys[j]; where fewer are left the
+// caller repeats the last), times scale: each token's sum over the chunks in order, the sixteen tokens' sums
+// interleaved (independent chains, in registers), then summed across lanes together.
+template <int C>
+inline __m512 score_tile(const uint16_t* q, const uint16_t* const* keys, float scale) {
+  __m512 partial[kTile];
+  for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    for (int j = 0; j < kTile; ++j)
+      partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+  }
+  return _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
+}
+
+inline __m512 score_tile_any(const uint16_t* q, const uint16_t* const* keys, int64_t chunks, float scale) {
+  __m512 partial[kTile];
+  for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    for (int j = 0; j < kTile; ++j)
+      partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+  }
+  return _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
+}
+
+// acc[r] += p[r][t] * value[t] over one 32-wide slice of head_dim for R query heads, two tokens a vdpbf16ps:
+// `pairs` holds each head's probabilities (bfloat16) two tokens a dword, token t + 1 in the low half and t in
+// the high one, which vdpbf16ps takes first (so the sums run over the tokens in order, each product exact and
+// each addition rounded, as with one float32 fma a token); `rows` has an even count (a zero row after an odd
+// one). The lanes come out with dims interleaved by 128-bit lane (unpack), put back in order at the end.
 template <int R>
-void accumulate_values(const float* probs, int64_t length, const uint16_t* const* rows, int64_t slice,
-                       float* out, int64_t head_dim) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < length; ++t) {
-    const __m512i packed = _mm512_loadu_si512(rows[t] + slice);
-    const __m512 lo = quire::bf16_to_float(_mm512_castsi512_si256(packed));
-    const __m512 hi = quire::bf16_to_float(_mm512_extracti64x4_epi64(packed, 1));
+void accumulate_value_pairs(const uint32_t* pairs, int64_t count, const uint16_t* const* rows, int64_t slice,
+                            float* out, int64_t head_dim) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512i first = _mm512_loadu_si512(rows[2 * i] + slice);
+    const __m512i second = _mm512_loadu_si512(rows[2 * i + 1] + slice);
+    // dword 4L + k of lo_pair: (second, first) at dim 8L + k; of hi_pair at dim 8L + 4 + k
+    const __m512bh lo_pair = (__m512bh)_mm512_unpacklo_epi16(second, first);
+    const __m512bh hi_pair = (__m512bh)_mm512_unpackhi_epi16(second, first);
     for (int r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r * length + t]);
-      acc[r][0] = _mm512_fmadd_ps(p, lo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(p, hi, acc[r][1]);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r * count + i]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], p, lo_pair);
+      hi[r] = _mm512_dpbf16_ps(hi[r], p, hi_pair);
     }
   }
+  // dims 0-15: lo 0-3, hi 0-3, lo 4-7, hi 4-7; dims 16-31: lo 8-11, hi 8-11, lo 12-15, hi 12-15
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * head_dim + slice, acc[r][0]);
-    _mm512_storeu_ps(out + r * head_dim + slice + 16, acc[r][1]);
+    _mm512_storeu_ps(out + r * head_dim + slice, _mm512_permutex2var_ps(lo[r], first_half, hi[r]));
+    _mm512_storeu_ps(out + r * head_dim + slice + 16, _mm512_permutex2var_ps(lo[r], second_half, hi[r]));
   }
 }
 
-using AccumulateFn = void (*)(const float*, int64_t, const uint16_t* const*, int64_t, float*, int64_t);
-constexpr AccumulateFn kAccumulate[8] = {accumulate_values<1>, accumulate_values<2>, accumulate_values<3>,
-                                         accumulate_values<4>, accumulate_values<5>, accumulate_values<6>,
-                                         accumulate_values<7>, accumulate_values<8>};
+using AccumulateFn = void (*)(const uint32_t*, int64_t, const uint16_t* const*, int64_t, float*, int64_t);
+constexpr AccumulateFn kAccumulate[8] = {accumulate_value_pairs<1>, accumulate_value_pairs<2>,
+                                         accumulate_value_pairs<3>, accumulate_value_pairs<4>,
+                                         accumulate_value_pairs<5>, accumulate_value_pairs<6>,
+                                         accumulate_value_pairs<7>, accumulate_value_pairs<8>};
 
 // One request and KV head: the `group` query heads (rotated, [group, head_dim]) that share it.
 __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_t* key_cache,
@@ -376,12 +412,15 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   const int64_t chunks = head_dim / 32;  // 32 bfloat16 per vdpbf16ps operand
+  const int64_t tiles = (length + kTile - 1) / kTile, pair_count = (length + 1) / 2;
   auto& key_rows = scratch.key_rows;
   auto& value_rows = scratch.value_rows;
   auto& probs = scratch.probs;
   auto& totals = scratch.totals;
-  key_rows.resize(length);
-  value_rows.resize(length);
+  auto& pairs = scratch.pairs;
+  // the key rows padded to whole tiles with the last, the value rows to whole pairs with a zero row
+  key_rows.resize(tiles * kTile);
+  value_rows.resize(2 * pair_count);
   for (int64_t t0 = 0, b = 0; t0 < length; t0 += block_size, ++b) {
     const int64_t base = blocks[b] * block_stride + kv * head_dim;
     const int64_t count = std::min(block_size, length - t0);
@@ -390,8 +429,14 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
       value_rows[t0 + i] = value_cache + base + i * token_stride;
     }
   }
-  probs.resize(group * length);
+  for (int64_t t = length; t < tiles * kTile; ++t) key_rows[t] = key_rows[length - 1];
+  if (length % 2 != 0) {
+    scratch.zeros.assign(head_dim, 0);
+    value_rows[length] = scratch.zeros.data();
+  }
+  probs.resize(group * tiles * kTile);
   totals.resize(group);
+  const int64_t stride = tiles * kTile;  // probs of one query head
   // scores, sixteen tokens at a time per query head
   for (int64_t t0 = 0; t0 < length; t0 += kTile) {
     const int count = static_cast<int>(std::min<int64_t>(kTile, length - t0));
@@ -404,32 +449,34 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
     const uint16_t* const* keys = &key_rows[t0];
     for (int64_t r = 0; r < group; ++r) {
       const uint16_t* qr = q + r * head_dim;
-      // each token's sum over the chunks in order, the sixteen tokens' sums interleaved (independent chains, in
-      // registers) rather than one token's after another's
-      __m512 partial[kTile];
-      for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
-      if (count == kTile) {
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512bh qc = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-          for (int j = 0; j < kTile; ++j)
-            partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
-        }
-      } else {
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512bh qc = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-          for (int j = 0; j < count; ++j)
-            partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
-        }
-      }
-      const __m512 scores = _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(&probs[r * length + t0], static_cast<__mmask16>((1u << count) - 1), scores);
+      const __m512 scores = chunks == 2 ? score_tile<2>(qr, keys, scale)
+                            : chunks == 4 ? score_tile<4>(qr, keys, scale)
+                                          : score_tile_any(qr, keys, chunks, scale);
+      _mm512_storeu_ps(&probs[r * stride + t0], scores);
     }
   }
-  for (int64_t r = 0; r < group; ++r) totals[r] = softmax_weights<uint16_t>(&probs[r * length], length);
+  // softmax weights, rounded to bfloat16 (exact in the float32 probs), two tokens a dword for the values
+  pairs.resize(group * pair_count);
+  for (int64_t r = 0; r < group; ++r) {
+    float* p = &probs[r * stride];
+    totals[r] = softmax_weights<uint16_t>(p, length);
+    uint32_t* pr = &pairs[r * pair_count];
+    for (int64_t i = 0; i < pair_count; i += 16) {  // 32 tokens: 16 dwords
+      const int64_t n = std::min<int64_t>(32, length - 2 * i);
+      const __mmask16 low = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      const __mmask16 high = n >= 32 ? __mmask16(0xFFFF) : n > 16 ? __mmask16((1u << (n - 16)) - 1) : __mmask16(0);
+      const __m512 first = _mm512_maskz_loadu_ps(low, p + 2 * i), second = _mm512_maskz_loadu_ps(high, p + 2 * i + 16);
+      // each dword (t, t + 1) turned to (t + 1, t)
+      const __m512i packed = _mm512_ror_epi32((__m512i)_mm512_cvtne2ps_pbh(second, first), 16);
+      const int64_t dwords = std::min<int64_t>(16, pair_count - i);
+      _mm512_mask_storeu_epi32(pr + i, dwords >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << dwords) - 1), packed);
+    }
+  }
   for (int64_t r0 = 0; r0 < group; r0 += 8) {
     const int64_t rows = std::min<int64_t>(8, group - r0);
     for (int64_t slice = 0; slice < head_dim; slice += 32)
-      kAccumulate[rows - 1](&probs[r0 * length], length, value_rows.data(), slice, out + r0 * head_dim, head_dim);
+      kAccumulate[rows - 1](&pairs[r0 * pair_count], pair_count, value_rows.data(), slice, out + r0 * head_dim,
+                            head_dim);
   }
   for (int64_t r = 0; r < group; ++r) {
     const float inverse = 1.f / totals[r];
