@@ -340,25 +340,16 @@ inline __m512 sum_lanes16(__m512 v[kTile]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
 }
 
-// Scores of one query head (C chunks of 32, bfloat16) against sixteen tokens (keys[j]; where fewer are left the
-// caller repeats the last), times scale: each token's sum over the chunks in order, the sixteen tokens' sums
-// interleaved (independent chains, in registers), then summed across lanes together.
+// Scores of one query head (C chunks of 32 bfloat16, or `chunks` where C is 0) against sixteen tokens
+// (keys[j]; where fewer are left the caller repeats the last), times scale: each token's sum over the chunks in
+// order, the sixteen tokens' sums interleaved (independent chains, in registers), then summed across lanes
+// together.
 template <int C>
-inline __m512 score_tile(const uint16_t* q, const uint16_t* const* keys, float scale) {
+inline __m512 score_tile(const uint16_t* q, const uint16_t* const* keys, int64_t chunks, float scale) {
+  const int64_t n = C > 0 ? C : chunks;
   __m512 partial[kTile];
   for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
-  for (int c = 0; c < C; ++c) {
-    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-    for (int j = 0; j < kTile; ++j)
-      partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
-  }
-  return _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale));
-}
-
-inline __m512 score_tile_any(const uint16_t* q, const uint16_t* const* keys, int64_t chunks, float scale) {
-  __m512 partial[kTile];
-  for (int j = 0; j < kTile; ++j) partial[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < n; ++c) {
     const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
     for (int j = 0; j < kTile; ++j)
       partial[j] = _mm512_dpbf16_ps(partial[j], qc, (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
@@ -449,9 +440,9 @@ __attribute__((noinline)) void decode_bf16_item(const uint16_t* q, const uint16_
     const uint16_t* const* keys = &key_rows[t0];
     for (int64_t r = 0; r < group; ++r) {
       const uint16_t* qr = q + r * head_dim;
-      const __m512 scores = chunks == 2 ? score_tile<2>(qr, keys, scale)
-                            : chunks == 4 ? score_tile<4>(qr, keys, scale)
-                                          : score_tile_any(qr, keys, chunks, scale);
+      const __m512 scores = chunks == 2 ? score_tile<2>(qr, keys, chunks, scale)
+                            : chunks == 4 ? score_tile<4>(qr, keys, chunks, scale)
+                                          : score_tile<0>(qr, keys, chunks, scale);
       _mm512_storeu_ps(&probs[r * stride + t0], scores);
     }
   }
