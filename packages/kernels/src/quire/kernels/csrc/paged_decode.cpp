@@ -360,8 +360,8 @@ inline __m512 score_tile(const uint16_t* q, const uint16_t* const* keys, int64_t
 // acc[r] += p[r][t] * value[t] over one 32-wide slice of head_dim for R query heads, two tokens a vdpbf16ps:
 // `pairs` holds each head's probabilities (bfloat16) two tokens a dword, token t + 1 in the low half and t in
 // the high one, which vdpbf16ps takes first (so the sums run over the tokens in order, each product exact and
-// each addition rounded, as with one float32 fma a token); `rows` has an even count (a zero row after an odd
-// one). The lanes come out with dims interleaved by 128-bit lane (unpack), put back in order at the end.
+// each addition rounded, as with one float32 fma a token, except that vdpbf16ps reads subnormal inputs and
+// writes subnormal sums as zero); `rows` has an even count (a zero row after an odd one). The lanes come out with dims interleaved by 128-bit lane (unpack), put back in order at the end.
 template <int R>
 void accumulate_value_pairs(const uint32_t* pairs, int64_t count, const uint16_t* const* rows, int64_t slice,
                             float* out, int64_t head_dim) {
